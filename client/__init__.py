@@ -1,0 +1,1 @@
+"""duelq.client: the library remote actors use to talk to a duelq learner."""

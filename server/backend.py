@@ -1,0 +1,85 @@
+"""The small interface every backend implements; the learner holds the logic.
+
+A backend owns the learner state (host or device memory) and does the
+arithmetic of DESIGN §2–§3.  A step is two-phase: :meth:`Backend.propose`
+computes the candidate state and the outputs without touching the current
+state; the learner then calls :meth:`Backend.commit` or :meth:`Backend.discard`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch import Batch
+from .config import LearnerConfig
+from .state import LearnerState, Params
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one proposed step reports (host values)."""
+
+    loss: float               # (1/B) Σ w·huber(δ)
+    td_errors: np.ndarray     # [B] float32, δ = Q_θ(h_t)[a] − y, before the update
+    priorities: np.ndarray    # [B] float32, |δ| + ε
+    q_taken_mean: float       # mean over the batch of Q_θ(h_t)[a]
+    grad_norm: float          # global L2 norm of the gradient before clipping
+    finite: bool              # gradients and every new tensor are finite
+    entropy: float | None     # the batch's action entropy when step_entropy_slot is set
+
+
+class Backend(abc.ABC):
+    """Owns the state; implements the arithmetic."""
+
+    name: str    # "reference" | "cuda"
+    device: str  # human-readable device name
+
+    def __init__(self, config: LearnerConfig, state: LearnerState):
+        self.config = config
+
+    @property
+    @abc.abstractmethod
+    def step(self) -> int:
+        """Steps applied so far (== weights version)."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> LearnerState:
+        """A host copy of the whole current state."""
+
+    @abc.abstractmethod
+    def load(self, state: LearnerState) -> None:
+        """Replace the whole state (checkpoint resume)."""
+
+    @abc.abstractmethod
+    def weights(self, target: bool = False) -> Params:
+        """Host float32 copy of θ (or θ⁻)."""
+
+    @abc.abstractmethod
+    def q_values(self, h: np.ndarray, target: bool = False) -> np.ndarray:
+        """[B, H] float32 → [B, N] float32 Q-values under θ (or θ⁻)."""
+
+    @abc.abstractmethod
+    def propose(self, batch: Batch) -> StepOutputs:
+        """Compute step ``self.step + 1`` on a validated batch; keep it pending."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Make the pending step the current state."""
+
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Drop the pending step; the current state stays bit-identical."""
+
+    @abc.abstractmethod
+    def entropy(self, actions: np.ndarray, slot: int, alpha: float) -> tuple[float, float]:
+        """Fold the entropy of validated ``actions`` [M] int32 into ISV ``slot``.
+
+        Returns (entropy in nats, new EMA value).
+        """
+
+    @abc.abstractmethod
+    def read_isv(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Values [K] float32 and observed flags [K] bool of validated slot indices."""

@@ -1,0 +1,128 @@
+"""A training batch and the checks every batch passes before any backend sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import LearnerConfig
+from .errors import InvalidArgument, ResourceExhausted
+
+FEATURE_DTYPES = (np.float32, np.float16)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One learner step's inputs, numpy arrays (see DESIGN §2).
+
+    ``weights`` may be None (all ones).  Features may be float16; they are
+    widened to float32 by :func:`validate_batch`.
+    """
+
+    h_t: np.ndarray        # [B, H] features of s_t
+    h_tp1: np.ndarray      # [B, H] features of s_{t+n}
+    actions: np.ndarray    # [B] int32 in [0, N)
+    rewards: np.ndarray    # [B] float32, n-step discounted return
+    dones: np.ndarray      # [B] float32 0/1
+    discounts: np.ndarray  # [B] float32 γⁿ in [0, 1]
+    weights: np.ndarray | None = None  # [B] float32 ≥ 0, importance-sampling weights
+
+    @property
+    def size(self) -> int:
+        return int(np.shape(self.actions)[0]) if np.ndim(self.actions) else 0
+
+
+def _array(name: str, value) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise InvalidArgument(name, f"must be a numpy array, got {type(value).__name__}")
+    return value
+
+
+def _finite(name: str, a: np.ndarray) -> None:
+    if not np.isfinite(a).all():
+        bad = int(np.flatnonzero(~np.isfinite(a.reshape(-1)))[0])
+        raise InvalidArgument(name, f"contains NaN or Inf (first at flat index {bad})")
+
+
+def validate_actions(actions, n_actions: int, name: str = "actions",
+                     max_len: int | None = None) -> np.ndarray:
+    """Check a 1-D integer actions buffer; return it as int32."""
+    a = _array(name, actions)
+    if a.ndim != 1:
+        raise InvalidArgument(name, f"must be 1-D, got shape {a.shape}")
+    if a.shape[0] == 0:
+        raise InvalidArgument(name, "is empty")
+    if max_len is not None and a.shape[0] > max_len:
+        raise ResourceExhausted(f"{name}: length {a.shape[0]} exceeds the limit {max_len}")
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(name, f"must have an integer dtype, got {a.dtype}")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= n_actions:
+        bad = int(np.flatnonzero((a < 0) | (a >= n_actions))[0])
+        raise InvalidArgument(name, f"must be in [0, {n_actions}); element {bad} is {int(a[bad])}")
+    return a.astype(np.int32, copy=False)
+
+
+def validate_features(h, hidden_dim: int, name: str, rows: int | None = None) -> np.ndarray:
+    """Check a [B, H] feature matrix; return it as C-contiguous float32."""
+    a = _array(name, h)
+    if a.dtype not in FEATURE_DTYPES:
+        raise InvalidArgument(name, f"dtype must be float32 or float16, got {a.dtype}")
+    if a.ndim != 2 or a.shape[1] != hidden_dim:
+        raise InvalidArgument(name, f"shape must be [B, {hidden_dim}], got {list(a.shape)}")
+    if rows is not None and a.shape[0] != rows:
+        raise InvalidArgument(name, f"has {a.shape[0]} rows, expected B={rows}")
+    if a.shape[0] == 0:
+        raise InvalidArgument(name, "has no rows (B = 0)")
+    _finite(name, a)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int) -> Batch:
+    """Check every field of ``batch`` (DESIGN §6); return a float32/int32 copy-free view.
+
+    Raises InvalidArgument naming the first bad field, or ResourceExhausted when
+    B exceeds ``max_batch_size``.
+    """
+    if not isinstance(batch, Batch):
+        raise InvalidArgument("batch", f"must be a Batch, got {type(batch).__name__}")
+    actions = _array("actions", batch.actions)
+    if actions.ndim != 1:
+        raise InvalidArgument("actions", f"must be 1-D, got shape {list(actions.shape)}")
+    B = actions.shape[0]
+    if B == 0:
+        raise InvalidArgument("actions", "batch is empty (B = 0)")
+    if B > max_batch_size:
+        raise ResourceExhausted(f"batch size {B} exceeds the limit {max_batch_size}")
+    actions = validate_actions(actions, config.n_actions)
+    h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B)
+    h_tp1 = validate_features(batch.h_tp1, config.hidden_dim, "h_tp1", rows=B)
+
+    def vector(name: str, value) -> np.ndarray:
+        a = _array(name, value)
+        if a.dtype not in FEATURE_DTYPES and a.dtype.kind not in "iub":
+            raise InvalidArgument(name, f"must be float32/float16 (or integer/bool for 0/1), "
+                                  f"got {a.dtype}")
+        if a.shape != (B,):
+            raise InvalidArgument(name, f"shape must be [{B}], got {list(a.shape)}")
+        a = a.astype(np.float32, copy=False)
+        _finite(name, a)
+        return a
+
+    rewards = vector("rewards", batch.rewards)
+    dones = vector("dones", batch.dones)
+    if not np.isin(dones, (0.0, 1.0)).all():
+        bad = int(np.flatnonzero(~np.isin(dones, (0.0, 1.0)))[0])
+        raise InvalidArgument("dones", f"must be 0 or 1; element {bad} is {dones[bad]}")
+    discounts = vector("discounts", batch.discounts)
+    if ((discounts < 0) | (discounts > 1)).any():
+        bad = int(np.flatnonzero((discounts < 0) | (discounts > 1))[0])
+        raise InvalidArgument("discounts", f"must be in [0, 1]; element {bad} is {discounts[bad]}")
+    weights = None
+    if batch.weights is not None:
+        weights = vector("weights", batch.weights)
+        if (weights < 0).any():
+            bad = int(np.flatnonzero(weights < 0)[0])
+            raise InvalidArgument("weights", f"must be ≥ 0; element {bad} is {weights[bad]}")
+    return Batch(h_t, h_tp1, actions, rewards, dones, discounts, weights)

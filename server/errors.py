@@ -1,0 +1,27 @@
+"""The learner's errors; the service maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class LearnerError(Exception):
+    """Base of every error the learner raises on purpose."""
+
+
+class InvalidArgument(LearnerError, ValueError):
+    """An input or a setting failed its check; nothing was applied.
+
+    ``field`` names the offending field, ``problem`` says what is wrong with it.
+    """
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class NonFiniteStep(LearnerError, ArithmeticError):
+    """A step would have produced non-finite gradients or weights; it was refused."""
+
+
+class ResourceExhausted(LearnerError):
+    """A limit (batch size, queue depth, concurrent streams…) was exceeded."""
