@@ -27,7 +27,7 @@ class StepOutputs:
     priorities: np.ndarray    # [B] float32, |δ| + ε
     q_taken_mean: float       # mean over the batch of Q_θ(h_t)[a]
     grad_norm: float          # global L2 norm of the gradient before clipping
-    finite: bool              # gradients and every new tensor are finite
+    finite: bool              # TD errors, gradients and every new tensor are finite
     entropy: float | None     # the batch's action entropy when step_entropy_slot is set
 
 

@@ -45,14 +45,10 @@ def ema_update(isv: np.ndarray, observed: np.ndarray, slot: int, value: float,
         observed[slot] = True
 
 
-def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
-               dtype=np.float32) -> tuple[LearnerState, StepOutputs]:
-    """One learner step (DESIGN §2 steps 1–9); returns the new state and outputs.
-
-    Pure: ``state`` is not modified.  Every tensor is computed in ``dtype``.
-    """
+def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerConfig,
+                   dtype=np.float32) -> tuple[float, np.ndarray, np.ndarray, Params]:
+    """DESIGN §2 steps 1–5: (loss, δ [B], Q_θ(h_t)[a] [B], ∂L/∂θ) for θ, θ⁻ in ``dtype``."""
     cast = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
-    theta, target = state.params.astype(dtype), state.target.astype(dtype)
     h_t, h_tp1 = cast(batch.h_t), cast(batch.h_tp1)          # [B, H]
     actions = batch.actions                                   # [B] int32
     rewards, dones, discounts = cast(batch.rewards), cast(batch.dones), cast(batch.discounts)
@@ -84,6 +80,17 @@ def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
     dA = g[:, None] * (onehot - dtype(1.0 / N))               # [B, N], rows sum to 0
     grads = Params(w_v=h_t.T @ g, b_v=g.sum(keepdims=True),   # [H], [1]
                    W_a=h_t.T @ dA, b_a=dA.sum(axis=0))        # [H, N], [N]
+    return float(loss), delta, q_taken, grads
+
+
+def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
+               dtype=np.float32) -> tuple[LearnerState, StepOutputs]:
+    """One learner step (DESIGN §2 steps 1–9); returns the new state and outputs.
+
+    Pure: ``state`` is not modified.  Every tensor is computed in ``dtype``.
+    """
+    theta, target = state.params.astype(dtype), state.target.astype(dtype)
+    loss, delta, q_taken, grads = loss_and_grads(theta, target, batch, config, dtype)
 
     # 6. Optional clipping by global norm.
     grad_norm = np.sqrt(sum((a.astype(np.float64) ** 2).sum() for a in grads.arrays()))
@@ -116,17 +123,18 @@ def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
     # Optional: fold this batch's action entropy into an ISV slot.
     isv, observed, entropy = state.isv.astype(dtype), state.isv_observed.copy(), None
     if config.step_entropy_slot:
-        entropy = action_entropy(actions, N)
+        entropy = action_entropy(batch.actions, config.n_actions)
         ema_update(isv, observed, config.isv_slots[config.step_entropy_slot], entropy,
                    config.step_entropy_alpha)
 
-    finite = all(np.isfinite(a).all() for group in (grads, new_theta, new_target, m, v)
-                 for a in group.arrays())
+    finite = np.isfinite(delta).all() and all(
+        np.isfinite(a).all() for group in (grads, new_theta, new_target, m, v)
+        for a in group.arrays())
     new_state = LearnerState(params=new_theta, target=new_target, adam_m=m, adam_v=v,
                              step=t, isv=isv, isv_observed=observed)
     # 9. Outputs.
     outputs = StepOutputs(
-        loss=float(loss),
+        loss=loss,
         td_errors=delta.astype(np.float32),
         priorities=(np.abs(delta) + dtype(config.priority_eps)).astype(np.float32),
         q_taken_mean=float(q_taken.mean()),
