@@ -175,7 +175,8 @@ class ReferenceBackend(Backend):
         return q_values(p.astype(self.dtype), h.astype(self.dtype)).astype(np.float32)
 
     def propose(self, batch: Batch) -> StepOutputs:
-        self._pending, outputs = train_step(self._state, batch, self.config, self.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow → finite=False
+            self._pending, outputs = train_step(self._state, batch, self.config, self.dtype)
         return outputs
 
     def commit(self) -> None:

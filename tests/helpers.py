@@ -1,0 +1,28 @@
+"""Shared test helpers: random batches and configs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from duelq.server import Batch, LearnerConfig
+
+
+def random_batch(rng: np.random.Generator, B: int, H: int, N: int, *,
+                 weights: bool = True, done_rate: float = 0.2) -> Batch:
+    """A valid batch of fresh random inputs (never zeros)."""
+    return Batch(
+        h_t=rng.normal(size=(B, H)).astype(np.float32),
+        h_tp1=rng.normal(size=(B, H)).astype(np.float32),
+        actions=rng.integers(0, N, size=B).astype(np.int32),
+        rewards=rng.normal(size=B).astype(np.float32),
+        dones=(rng.random(B) < done_rate).astype(np.float32),
+        discounts=rng.uniform(0.5, 1.0, size=B).astype(np.float32),
+        weights=rng.uniform(0.1, 1.5, size=B).astype(np.float32) if weights else None,
+    )
+
+
+def small_config(**overrides) -> LearnerConfig:
+    values = dict(hidden_dim=8, n_actions=3, isv_size=16,
+                  isv_slots={"action_entropy_ema": 5, "policy_entropy_ema": 2})
+    values.update(overrides)
+    return LearnerConfig(**values)
