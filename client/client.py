@@ -1,0 +1,395 @@
+"""LearnerClient: what a remote actor uses to train, act and read a duelq learner.
+
+Numpy in, numpy out.  Batches are checked locally (dtypes, shapes, lengths)
+before anything is sent; values (ranges, NaN) are the server's to check.
+Every state-changing request carries an idempotency key (``actor_id``, seq):
+on UNAVAILABLE the client backs off and resends with the same key, so a step
+that did reach the server is not applied twice.  Every ``grpc.RpcError`` is
+raised as a :mod:`duelq.client.errors` exception.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import random
+import secrets
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duelq.server.batch import Batch
+from duelq.server.config import LearnerConfig
+from duelq.server.state import Params
+from duelq.v1 import learner_pb2 as pb
+from duelq.v1 import learner_pb2_grpc as pb_grpc
+
+from . import errors
+from .tensors import decode, encode
+
+FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """The outcome of one applied step (see TrainResponse in learner.proto)."""
+
+    loss: float
+    td_errors: np.ndarray    # [B] float32, before the update
+    priorities: np.ndarray   # [B] float32, |δ| + ε
+    q_taken_mean: float
+    grad_norm: float
+    step: int                # position in the server's global order of steps
+    version: int
+    entropy: float | None
+    seq: int                 # this client's sequence number of the batch
+    replayed: bool           # the server returned a recorded result of a retry
+
+
+@dataclass(frozen=True)
+class EntropyResult:
+    entropy: float   # nats
+    ema: float       # the slot's value after the update
+    slot: int
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class ActResult:
+    q_values: np.ndarray  # [B, N] float32
+    actions: np.ndarray   # [B] int32 greedy actions
+    version: int
+
+
+@dataclass(frozen=True)
+class Weights:
+    params: Params   # float32 w_v [H], b_v [1], W_a [H, N], b_a [N]
+    version: int
+    step: int
+    target: bool
+
+
+@dataclass(frozen=True)
+class ISVValue:
+    slot: int
+    name: str
+    value: float
+    observed: bool
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    backend: str
+    device: str
+    config: LearnerConfig
+    step: int
+    version: int
+    max_message_bytes: int
+    max_batch_size: int
+    max_streams: int
+    server_version: str
+
+
+def _bad(field: str, problem: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"{field}: {problem}", field=field)
+
+
+#: dtype kinds each vector may have (numpy kind codes: f float, i/u integer, b bool).
+VECTOR_KINDS = {"actions": "iu", "rewards": "f", "dones": "fiub", "discounts": "f",
+                "weights": "f"}
+
+
+def _vector(name: str, value, rows: int) -> np.ndarray:
+    """A [rows] vector in a wire dtype: float64 → float32, wide ints → int32."""
+    if not isinstance(value, np.ndarray):
+        raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
+    if value.shape != (rows,):
+        raise _bad(name, f"shape must be [{rows}], got {list(value.shape)}")
+    if value.dtype.kind not in VECTOR_KINDS[name]:
+        kinds = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
+        wanted = " or ".join(dict.fromkeys(kinds[k] for k in VECTOR_KINDS[name]))
+        raise _bad(name, f"must be {wanted}, got {value.dtype}")
+    if value.dtype == np.float64:
+        return value.astype(np.float32)
+    if value.dtype.kind in "iu" and value.dtype not in (np.int32, np.uint8):
+        if value.size and (value.min() < np.iinfo(np.int32).min
+                           or value.max() > np.iinfo(np.int32).max):
+            raise _bad(name, "values do not fit in int32")
+        return value.astype(np.int32)
+    return value
+
+
+def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> pb.Tensor:
+    if not isinstance(value, np.ndarray):
+        raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
+    if value.ndim != 2 or value.shape[0] == 0:
+        raise _bad(name, f"must be [B, H] with B ≥ 1, got shape {list(value.shape)}")
+    if like is not None and value.shape != like.shape:
+        raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
+    if value.dtype.kind != "f":
+        raise _bad(name, f"must be floating point, got {value.dtype}")
+    if wire != "bfloat16" and value.dtype.name != wire:
+        value = value.astype(wire)
+    return encode(value, name, wire=wire)
+
+
+def encode_batch(batch: Batch, *, feature_dtype: str = "float32") -> pb.TrainRequest:
+    """A TrainRequest (without key) for ``batch``; raises errors.InvalidArgument."""
+    if not isinstance(batch, Batch):
+        raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
+    h_t = _features("h_t", batch.h_t, feature_dtype)
+    rows = batch.h_t.shape[0]
+    request = pb.TrainRequest(
+        h_t=h_t, h_tp1=_features("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
+        **{name: encode(_vector(name, getattr(batch, name), rows), name)
+           for name in ("actions", "rewards", "dones", "discounts")})
+    if batch.weights is not None:
+        request.weights.CopyFrom(encode(_vector("weights", batch.weights, rows), "weights"))
+    return request
+
+
+def _train_result(response: pb.TrainResponse) -> TrainResult:
+    return TrainResult(
+        loss=response.loss, td_errors=decode(response.td_errors, "td_errors"),
+        priorities=decode(response.priorities, "priorities"),
+        q_taken_mean=response.q_taken_mean, grad_norm=response.grad_norm, step=response.step,
+        version=response.version,
+        entropy=response.entropy if response.HasField("entropy") else None,
+        seq=response.key.seq, replayed=response.replayed)
+
+
+def _slot_ref(slot: str | int) -> pb.SlotRef:
+    if isinstance(slot, str):
+        return pb.SlotRef(name=slot)
+    if isinstance(slot, (int, np.integer)) and not isinstance(slot, bool) and slot >= 0:
+        return pb.SlotRef(index=int(slot))
+    raise _bad("slot", f"must be a slot name or an index ≥ 0, got {slot!r}")
+
+
+def _credentials(tls) -> grpc.ChannelCredentials | None:
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if isinstance(tls, (str, Path)):
+        return grpc.ssl_channel_credentials(root_certificates=Path(tls).read_bytes())
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    raise _bad("tls", "must be None, True, a CA bundle path or grpc.ChannelCredentials")
+
+
+class LearnerClient:
+    """A connection to one duelq learner.
+
+    ``target`` is host:port.  ``token`` is sent as ``authorization: Bearer``
+    metadata.  ``tls``: None for plaintext, True for TLS with the system's CA
+    roots, a path to a PEM CA bundle, or ready ``grpc.ChannelCredentials``
+    (for mutual TLS).  ``timeout`` bounds each unary call in seconds.  On
+    UNAVAILABLE a call is retried up to ``retries`` times, sleeping
+    ``backoff`` × 2^attempt seconds (jittered, at most ``max_backoff``).
+    ``actor_id`` names this client in idempotency keys (default
+    host-pid-random).  ``feature_dtype`` is the wire dtype of h_t and h_tp1
+    (float32, float16 or bfloat16; the server widens to float32).
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, tls=None,
+                 timeout: float = 30.0, retries: int = 4, backoff: float = 0.1,
+                 max_backoff: float = 2.0, actor_id: str | None = None,
+                 feature_dtype: str = "float32", max_message_bytes: int = 64 << 20):
+        if feature_dtype not in FEATURE_WIRE_DTYPES:
+            raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, "
+                                        f"got {feature_dtype!r}")
+        if retries < 0 or backoff < 0 or timeout <= 0:
+            raise _bad("retries", "retries and backoff must be ≥ 0, timeout > 0")
+        self.target = target
+        self.timeout = timeout
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.feature_dtype = feature_dtype
+        self._seq = itertools.count(1)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        credentials = _credentials(tls)
+        self._channel = (grpc.secure_channel(target, credentials, options) if credentials
+                         else grpc.insecure_channel(target, options))
+        self._stub = pb_grpc.LearnerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "LearnerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _key(self) -> pb.RequestKey:
+        return pb.RequestKey(actor_id=self.actor_id, seq=next(self._seq))
+
+    def _sleep(self, attempt: int) -> None:
+        delay = min(self.max_backoff, self.backoff * 2 ** attempt)
+        time.sleep(delay * random.uniform(0.5, 1.0))
+
+    def _error(self, error: grpc.RpcError, attempts: int) -> errors.DuelqError:
+        translated = errors.from_rpc_error(error)
+        if isinstance(translated, errors.Unavailable):
+            return errors.Unavailable(f"duelq learner at {self.target} unavailable after "
+                                      f"{attempts} attempt(s): {translated.details}")
+        return translated
+
+    def _call(self, method: Callable, request):
+        """A unary call with retries on UNAVAILABLE; errors translated."""
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise self._error(error, attempt + 1) from None
+            self._sleep(attempt)
+        raise AssertionError("unreachable")
+
+    # -- rpcs -----------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> TrainResult:
+        """Apply one batch as one learner step."""
+        request = encode_batch(batch, feature_dtype=self.feature_dtype)
+        request.key.CopyFrom(self._key())
+        return _train_result(self._call(self._stub.TrainStep, request))
+
+    def train_stream(self, batches: Iterable[Batch], *, window: int = 8) -> Iterator[TrainResult]:
+        """Stream batches; yield their results in order, at most ``window`` unanswered.
+
+        Batches are pulled from ``batches`` lazily as the window frees up.  If
+        the stream breaks with UNAVAILABLE, a new one resends the unanswered
+        requests with their keys (already applied ones come back ``replayed``).
+        A batch failing the local checks, or a server error, is raised where
+        that batch's result would have been yielded; later batches are not sent.
+        """
+        if window < 1:
+            raise _bad("window", f"must be ≥ 1, got {window}")
+        source = iter(batches)
+        pending: deque[pb.TrainRequest] = deque()  # sent (or to resend), not answered
+        local_error: errors.DuelqError | None = None
+        failures = 0
+        while True:
+            feed: queue.SimpleQueue = queue.SimpleQueue()
+            call = self._stub.TrainStream(iter(feed.get, None), metadata=self._metadata)
+            try:
+                for request in pending:
+                    feed.put(request)
+                while True:
+                    while local_error is None and len(pending) < window:
+                        batch = next(source, None)
+                        if batch is None:
+                            break
+                        try:
+                            request = encode_batch(batch, feature_dtype=self.feature_dtype)
+                        except errors.InvalidArgument as exc:
+                            local_error = exc
+                            break
+                        request.key.CopyFrom(self._key())
+                        pending.append(request)
+                        feed.put(request)
+                    if not pending:
+                        feed.put(None)  # half-close; the server ends the stream
+                        for _ in call:
+                            raise errors.ServerError("TrainStream: a response without a request")
+                        if local_error is not None:
+                            raise local_error
+                        return
+                    response = next(call, None)
+                    if response is None:
+                        raise errors.ServerError("TrainStream ended with requests unanswered")
+                    request = pending.popleft()
+                    if response.key.seq != request.key.seq:
+                        raise errors.ServerError(f"TrainStream answered seq {response.key.seq} "
+                                                 f"for seq {request.key.seq}")
+                    failures = 0
+                    yield _train_result(response)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or failures == self.retries:
+                    raise self._error(error, failures + 1) from None
+            finally:
+                feed.put(None)
+                call.cancel()
+            self._sleep(failures)
+            failures += 1
+
+    def compute_entropy(self, actions: np.ndarray, slot: str | int,
+                        alpha: float) -> EntropyResult:
+        """Fold the entropy of ``actions`` [M] into ISV ``slot`` as an EMA with rate α."""
+        if not isinstance(actions, np.ndarray) or actions.ndim != 1:
+            raise _bad("actions", "must be a 1-D numpy array")
+        request = pb.EntropyRequest(actions=encode(_vector("actions", actions, actions.shape[0]),
+                                                   "actions"),
+                                    slot=_slot_ref(slot), alpha=float(alpha), key=self._key())
+        response = self._call(self._stub.ComputeEntropy, request)
+        return EntropyResult(response.entropy, response.ema, response.slot, response.replayed)
+
+    def act(self, h: np.ndarray, *, target: bool = False) -> ActResult:
+        """Q-values [B, N] and greedy actions [B] for feature rows ``h`` [B, H]."""
+        request = pb.ActRequest(h=_features("h", h, self.feature_dtype), target=target)
+        response = self._call(self._stub.Act, request)
+        return ActResult(decode(response.q_values, "q_values"),
+                         decode(response.actions, "actions"), response.version)
+
+    def get_weights(self, target: bool = False) -> Weights:
+        """θ (or θ⁻ with ``target=True``), its version and the step count."""
+        response = self._call(self._stub.GetWeights, pb.GetWeightsRequest(target=target))
+        params = Params(*(decode(getattr(response, name), name)
+                          for name in ("w_v", "b_v", "W_a", "b_a")))
+        return Weights(params, response.version, response.step, response.target)
+
+    def read_isv(self, names_or_indices: Sequence[str | int] = ()) -> list[ISVValue]:
+        """ISV slots by name or index, in the order given (empty: every named slot)."""
+        if isinstance(names_or_indices, (str, int)):
+            names_or_indices = [names_or_indices]
+        request = pb.ReadISVRequest(slots=[_slot_ref(s) for s in names_or_indices])
+        response = self._call(self._stub.ReadISV, request)
+        return [ISVValue(v.slot, v.name, v.value, v.observed) for v in response.values]
+
+    def save_checkpoint(self) -> tuple[str, int]:
+        """Ask the server to write a checkpoint now; (path on the server, step)."""
+        response = self._call(self._stub.SaveCheckpoint, pb.SaveCheckpointRequest())
+        return response.path, response.step
+
+    def info(self) -> ServerInfo:
+        """Backend, device, config, step, version and limits of the server."""
+        r = self._call(self._stub.GetInfo, pb.GetInfoRequest())
+        return ServerInfo(r.backend, r.device, LearnerConfig.from_dict(json.loads(r.config_json)),
+                          r.step, r.version, r.max_message_bytes, r.max_batch_size,
+                          r.max_streams, r.server_version)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the server's health says SERVING; errors.Unavailable after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        request = health_pb2.HealthCheckRequest(service=pb.DESCRIPTOR.services_by_name[
+            "Learner"].full_name)
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status = self._health.Check(request, timeout=max(left, 0.01),
+                                            wait_for_ready=True).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            if time.monotonic() + 0.05 >= deadline:
+                raise errors.Unavailable(f"duelq learner at {self.target} not SERVING after "
+                                         f"{timeout:g} s (last: {last})")
+            time.sleep(0.05)

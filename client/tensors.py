@@ -1,0 +1,98 @@
+"""The Tensor codec: numpy arrays ↔ ``duelq.v1.Tensor`` (raw little-endian row-major bytes).
+
+Decoding checks the byte length against shape × itemsize before touching the
+data, then views the bytes with ``numpy.frombuffer`` (no per-element work,
+no copy except for bfloat16, which is widened to float32).  bfloat16 is the
+upper 16 bits of a float32; it is produced by round-to-nearest-even and NaN
+stays NaN.  Used by both the client (encode requests, decode responses) and
+the server (decode requests, encode responses).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from duelq.v1 import learner_pb2 as pb
+
+from .errors import InvalidArgument
+
+#: Wire dtype name → (enum value, little-endian numpy dtype of the raw bytes).
+WIRE_DTYPES: dict[str, tuple[int, np.dtype]] = {
+    "float32": (pb.DTYPE_FLOAT32, np.dtype("<f4")),
+    "float16": (pb.DTYPE_FLOAT16, np.dtype("<f2")),
+    "bfloat16": (pb.DTYPE_BFLOAT16, np.dtype("<u2")),
+    "int32": (pb.DTYPE_INT32, np.dtype("<i4")),
+    "uint8": (pb.DTYPE_UINT8, np.dtype("u1")),
+    "bool": (pb.DTYPE_BOOL, np.dtype("?")),
+}
+_BY_ENUM = {enum: (name, raw) for name, (enum, raw) in WIRE_DTYPES.items()}
+MAX_NDIM = 8
+
+
+def _bad(field: str, problem: str) -> InvalidArgument:
+    return InvalidArgument(f"{field}: {problem}", field=field)
+
+
+def float32_to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 → uint16 bfloat16 bit patterns, round to nearest even; NaN stays NaN."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns → float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def encode(array: np.ndarray, field: str, *, wire: str | None = None) -> pb.Tensor:
+    """A numpy array as a Tensor; ``wire`` picks the wire dtype (default: the array's).
+
+    ``wire="bfloat16"`` converts float32/float16 data; otherwise the array's
+    dtype must be one of :data:`WIRE_DTYPES` (or be losslessly the same kind).
+    """
+    a = np.asarray(array)
+    name = wire or a.dtype.name
+    if name not in WIRE_DTYPES:
+        raise _bad(field, f"dtype {a.dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
+    if a.ndim > MAX_NDIM:
+        raise _bad(field, f"has {a.ndim} dimensions, at most {MAX_NDIM}")
+    enum, raw = WIRE_DTYPES[name]
+    if name == "bfloat16":
+        if a.dtype.kind != "f":
+            raise _bad(field, f"bfloat16 needs floating-point data, got {a.dtype}")
+        data = float32_to_bfloat16_bits(a.astype(np.float32, copy=False)).astype(raw)
+    else:
+        if a.dtype.name != name:
+            raise _bad(field, f"dtype {a.dtype} does not match wire dtype {name}")
+        data = np.ascontiguousarray(a, dtype=raw)
+    return pb.Tensor(dtype=enum, shape=a.shape, data=data.tobytes())
+
+
+def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
+    """A Tensor as a (read-only) numpy array; bfloat16 comes back as float32.
+
+    Raises :class:`InvalidArgument` naming ``field`` when the dtype is unknown,
+    the shape is malformed or the byte length is not prod(shape) × itemsize.
+    """
+    if tensor.dtype not in _BY_ENUM:
+        raise _bad(field, f"dtype must be one of {sorted(WIRE_DTYPES)}, "
+                          f"got {pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype}")
+    name, raw = _BY_ENUM[tensor.dtype]
+    shape = tuple(tensor.shape)
+    if len(shape) > MAX_NDIM:
+        raise _bad(field, f"has {len(shape)} dimensions, at most {MAX_NDIM}")
+    if any(d < 0 for d in shape):
+        raise _bad(field, f"shape {list(shape)} has a negative dimension")
+    expected = math.prod(shape) * raw.itemsize
+    if len(tensor.data) != expected:
+        raise _bad(field, f"has {len(tensor.data)} bytes, but shape {list(shape)} of {name} "
+                          f"needs {expected}")
+    if name == "bool":
+        flags = np.frombuffer(tensor.data, np.uint8)
+        if flags.size and flags.max() > 1:
+            raise _bad(field, "bool bytes must be 0 or 1")
+    a = np.frombuffer(tensor.data, raw).reshape(shape)
+    return bfloat16_bits_to_float32(a) if name == "bfloat16" else a

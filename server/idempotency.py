@@ -1,0 +1,117 @@
+"""Idempotency keys: which (actor_id, seq) were applied, and their responses.
+
+Memory is bounded three ways:
+
+* per actor, the highest seq applied and a bitmap of the ``window`` sequence
+  numbers below it (an anti-replay window, as in IPsec); a seq older than the
+  window cannot be told apart from an applied one and is refused;
+* responses sit in an LRU cache of ``capacity`` entries; each actor's latest
+  response is kept outside it, so a client resending its last request after a
+  dropped connection always gets its result back;
+* at most ``max_actors`` actors are tracked; the least recently seen one is
+  forgotten first (a retry from a forgotten actor would be applied again).
+
+Not thread-safe: the service calls it under the lock that applies steps.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgument, LearnerError
+
+MAX_ACTOR_ID_BYTES = 128
+
+
+class AlreadyApplied(LearnerError):
+    """The key was applied before and its response is no longer kept."""
+
+
+@dataclass
+class _Actor:
+    high: int = 0        # highest seq applied
+    seen: int = 0        # bit i set ⇔ seq high − i applied, i < window
+    latest: Any = None   # response of seq ``high``
+
+
+class ReplayGuard:
+    """Applied keys and recorded responses, in bounded memory."""
+
+    def __init__(self, *, capacity: int = 1024, window: int = 1024, max_actors: int = 65536):
+        if capacity < 0 or window < 1 or max_actors < 1:
+            raise InvalidArgument("replay_cache", "capacity must be ≥ 0, window and "
+                                  "max_actors ≥ 1")
+        self.capacity, self.window, self.max_actors = capacity, window, max_actors
+        self._actors: OrderedDict[str, _Actor] = OrderedDict()
+        self._responses: OrderedDict[tuple[str, int], Any] = OrderedDict()
+
+    @staticmethod
+    def check_key(actor_id: str, seq: int) -> None:
+        """Refuse malformed keys (an empty actor_id means no key)."""
+        if len(actor_id.encode()) > MAX_ACTOR_ID_BYTES:
+            raise InvalidArgument("key.actor_id", f"is longer than {MAX_ACTOR_ID_BYTES} bytes")
+        if actor_id and seq < 1:
+            raise InvalidArgument("key.seq", "must be ≥ 1 when key.actor_id is set")
+
+    def lookup(self, actor_id: str, seq: int, kind: type) -> Any | None:
+        """The recorded response of an applied key, or None when the key is new.
+
+        Raises AlreadyApplied when the key was applied (or is too old to tell)
+        but its response is gone, InvalidArgument when the key was used by a
+        request of another kind.
+        """
+        actor = self._actors.get(actor_id)
+        if actor is None or seq > actor.high:
+            return None
+        self._actors.move_to_end(actor_id)
+        age = actor.high - seq
+        if age >= self.window:
+            raise AlreadyApplied(f"key {actor_id}/{seq} is older than the last {self.window} "
+                                 f"sequence numbers of its actor (highest {actor.high}); "
+                                 f"refusing to risk applying it twice")
+        if not actor.seen >> age & 1:
+            return None
+        response = actor.latest if age == 0 else self._responses.get((actor_id, seq))
+        if response is None:
+            raise AlreadyApplied(f"key {actor_id}/{seq} was applied, but its recorded "
+                                 f"response is no longer kept")
+        if not isinstance(response, kind):
+            raise InvalidArgument("key.seq", f"{seq} of actor {actor_id!r} was already used "
+                                  f"by a {type(response).__name__}")
+        if age != 0:
+            self._responses.move_to_end((actor_id, seq))
+        return response
+
+    def record(self, actor_id: str, seq: int, response: Any) -> None:
+        """Mark a key applied and keep its response."""
+        actor = self._actors.get(actor_id)
+        if actor is None:
+            actor = self._actors[actor_id] = _Actor()
+            if len(self._actors) > self.max_actors:
+                self._forget(next(iter(self._actors)))
+        self._actors.move_to_end(actor_id)
+        if seq > actor.high:
+            if actor.latest is not None:
+                self._keep((actor_id, actor.high), actor.latest)
+            shift = seq - actor.high
+            actor.seen = (actor.seen << shift | 1) & ((1 << self.window) - 1) \
+                if shift < self.window else 1
+            actor.high, actor.latest = seq, response
+        else:
+            actor.seen |= 1 << (actor.high - seq)
+            self._keep((actor_id, seq), response)
+
+    def _keep(self, key: tuple[str, int], response: Any) -> None:
+        if self.capacity == 0:
+            return
+        self._responses[key] = response
+        self._responses.move_to_end(key)
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+    def _forget(self, actor_id: str) -> None:
+        del self._actors[actor_id]
+        for key in [k for k in self._responses if k[0] == actor_id]:
+            del self._responses[key]

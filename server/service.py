@@ -1,0 +1,252 @@
+"""The gRPC servicer of ``duelq.v1.Learner``: decode, validate, call the learner, encode.
+
+Every handler goes through one choke point (:func:`_rpc`) that maps
+exceptions to status codes with ``context.abort`` (see learner.proto's header):
+InvalidArgument → INVALID_ARGUMENT, ResourceExhausted → RESOURCE_EXHAUSTED,
+NonFiniteStep → FAILED_PRECONDITION, AlreadyApplied → ALREADY_EXISTS, anything
+unexpected → INTERNAL with a reference number, the traceback only in the log.
+
+State changes (train steps, entropy EMAs), and Act's read of θ with its
+version, run under one lock, so keys are checked and recorded atomically with
+the step they guard and steps apply one at a time in arrival order.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+
+from duelq.client import errors as client_errors
+from duelq.client.tensors import decode, encode
+from duelq.v1 import learner_pb2 as pb
+from duelq.v1 import learner_pb2_grpc as pb_grpc
+
+from .batch import Batch
+from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
+from .idempotency import AlreadyApplied, ReplayGuard
+from .learner import Learner, StepResult
+
+log = logging.getLogger(__name__)
+
+#: Writes a checkpoint of the learner's state; returns where it went.
+Checkpointer = Callable[[Learner], str]
+
+
+class NotServing(LearnerError):
+    """The backend is not ready yet (health NOT_SERVING)."""
+
+
+class Unsupported(LearnerError):
+    """This server does not offer the rpc."""
+
+
+_STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
+    ((InvalidArgument, client_errors.InvalidArgument), grpc.StatusCode.INVALID_ARGUMENT),
+    ((ResourceExhausted,), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((NonFiniteStep,), grpc.StatusCode.FAILED_PRECONDITION),
+    ((AlreadyApplied,), grpc.StatusCode.ALREADY_EXISTS),
+    ((NotServing,), grpc.StatusCode.UNAVAILABLE),
+    ((Unsupported,), grpc.StatusCode.UNIMPLEMENTED),
+)
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    """The choke point: one exception → one status, via context.abort."""
+    for types, code in _STATUS:
+        if isinstance(exc, types):
+            message = exc.details if isinstance(exc, client_errors.DuelqError) else str(exc)
+            log.info("%s from %s: %s %s", method, context.peer(), code.name, message)
+            context.abort(code, message)
+    ref = secrets.token_hex(4)
+    log.exception("%s from %s: internal error (ref %s)", method, context.peer(), ref)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log")
+
+
+def _rpc(handler):
+    """Route a unary or response-streaming handler's exceptions through :func:`_abort`."""
+    if inspect.isgeneratorfunction(handler):
+        @functools.wraps(handler)
+        def stream(self, request, context):
+            try:
+                yield from handler(self, request, context)
+            except Exception as exc:  # noqa: BLE001 — the one choke point
+                if context.is_active():
+                    _abort(context, handler.__name__, exc)
+        return stream
+
+    @functools.wraps(handler)
+    def unary(self, request, context):
+        try:
+            return handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001 — the one choke point
+            _abort(context, handler.__name__, exc)
+    return unary
+
+
+def _required(message, field: str) -> np.ndarray:
+    if not message.HasField(field):
+        raise InvalidArgument(field, "is required")
+    return decode(getattr(message, field), field)
+
+
+def decode_batch(request: pb.TrainRequest) -> Batch:
+    """The numpy Batch of a TrainRequest (size checks only; the learner checks values)."""
+    weights = decode(request.weights, "weights") if request.HasField("weights") else None
+    return Batch(h_t=_required(request, "h_t"), h_tp1=_required(request, "h_tp1"),
+                 actions=_required(request, "actions"), rewards=_required(request, "rewards"),
+                 dones=_required(request, "dones"), discounts=_required(request, "discounts"),
+                 weights=weights)
+
+
+def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
+    which = ref.WhichOneof("ref")
+    if which is None:
+        raise InvalidArgument(field, "is required (a name or an index)")
+    return getattr(ref, which)
+
+
+def train_response(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
+    response = pb.TrainResponse(
+        loss=result.loss, td_errors=encode(result.td_errors, "td_errors"),
+        priorities=encode(result.priorities, "priorities"), q_taken_mean=result.q_taken_mean,
+        grad_norm=result.grad_norm, step=result.step, version=result.version, key=key)
+    if result.entropy is not None:
+        response.entropy = result.entropy
+    return response
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server enforces besides the learner's own checks."""
+
+    max_message_bytes: int
+    max_batch_size: int
+    max_streams: int
+
+
+class LearnerService(pb_grpc.LearnerServicer):
+    """``duelq.v1.Learner`` over a :class:`Learner` that is attached once it is ready."""
+
+    def __init__(self, limits: Limits, *, replay: ReplayGuard | None = None,
+                 checkpoint: Checkpointer | None = None):
+        self.limits = limits
+        self._replay = replay if replay is not None else ReplayGuard()
+        self._checkpoint = checkpoint
+        self._learner: Learner | None = None
+        self._apply_lock = threading.Lock()
+        self._streams = threading.BoundedSemaphore(limits.max_streams)
+
+    def attach(self, learner: Learner) -> None:
+        """Start serving ``learner``; until then every rpc answers UNAVAILABLE."""
+        self._learner = learner
+
+    @property
+    def learner(self) -> Learner:
+        if self._learner is None:
+            raise NotServing("the learner's backend is still starting; retry shortly")
+        return self._learner
+
+    def _keyed(self, key: pb.RequestKey, kind: type, apply: Callable[[], Any]) -> Any:
+        """Run a state change once per key: replay the recorded response on a repeat."""
+        ReplayGuard.check_key(key.actor_id, key.seq)
+        with self._apply_lock:
+            if key.actor_id:
+                recorded = self._replay.lookup(key.actor_id, key.seq, kind)
+                if recorded is not None:
+                    replay = kind()
+                    replay.CopyFrom(recorded)
+                    replay.replayed = True
+                    return replay
+            response = apply()
+            if key.actor_id:
+                self._replay.record(key.actor_id, key.seq, response)
+            return response
+
+    def _train(self, request: pb.TrainRequest) -> pb.TrainResponse:
+        learner = self.learner
+        batch = decode_batch(request)
+        return self._keyed(request.key, pb.TrainResponse,
+                           lambda: train_response(learner.step(batch), request.key))
+
+    @_rpc
+    def TrainStep(self, request, context):
+        return self._train(request)
+
+    @_rpc
+    def TrainStream(self, request_iterator, context) -> Iterator[pb.TrainResponse]:
+        if not self._streams.acquire(blocking=False):
+            raise ResourceExhausted(f"too many concurrent TrainStreams "
+                                    f"(limit {self.limits.max_streams})")
+        try:
+            for request in request_iterator:
+                yield self._train(request)
+        finally:
+            self._streams.release()
+
+    @_rpc
+    def ComputeEntropy(self, request, context):
+        learner = self.learner
+        actions = _required(request, "actions")
+        slot = slot_of(request.slot)
+
+        def apply() -> pb.EntropyResponse:
+            result = learner.compute_entropy(actions, slot, request.alpha)
+            return pb.EntropyResponse(entropy=result.entropy, ema=result.ema, slot=result.slot,
+                                      key=request.key)
+        return self._keyed(request.key, pb.EntropyResponse, apply)
+
+    @_rpc
+    def Act(self, request, context):
+        learner = self.learner
+        h = _required(request, "h")
+        with self._apply_lock:
+            q = learner.q_values(h, request.target)   # [B, N]
+            version = learner.step_count
+        return pb.ActResponse(q_values=encode(q, "q_values"),
+                              actions=encode(q.argmax(axis=1).astype(np.int32), "actions"),
+                              version=version)
+
+    @_rpc
+    def GetWeights(self, request, context):
+        params, version = self.learner.weights(request.target)
+        return pb.Weights(**{name: encode(np.asarray(a, np.float32), name)
+                             for name, a in zip(("w_v", "b_v", "W_a", "b_a"), params.arrays())},
+                          version=version, step=version, target=request.target)
+
+    @_rpc
+    def ReadISV(self, request, context):
+        slots = [slot_of(ref, f"slots[{i}]") for i, ref in enumerate(request.slots)]
+        return pb.ISVValues(values=[
+            pb.ISVValue(slot=v.slot, name=v.name, value=v.value, observed=v.observed)
+            for v in self.learner.read_isv(slots)])
+
+    @_rpc
+    def SaveCheckpoint(self, request, context):
+        learner = self.learner
+        if self._checkpoint is None:
+            raise Unsupported("checkpoints are not enabled on this server")
+        with self._apply_lock:
+            path = self._checkpoint(learner)
+            step = learner.step_count
+        return pb.SaveCheckpointResponse(path=path, step=step)
+
+    @_rpc
+    def GetInfo(self, request, context):
+        learner = self.learner
+        step = learner.step_count
+        return pb.Info(backend=learner.backend.name, device=learner.backend.device,
+                       config_json=json.dumps(learner.config.to_dict()), step=step,
+                       version=step, max_message_bytes=self.limits.max_message_bytes,
+                       max_batch_size=self.limits.max_batch_size,
+                       max_streams=self.limits.max_streams,
+                       server_version=metadata.version("duelq"))
