@@ -1,0 +1,288 @@
+"""Checkpoints: bit-identical resume, atomic writes, strict refusal of bad files, save policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+
+from duelq.server import checkpoint
+from duelq.server.batch import Batch
+from duelq.server.checkpoint import (CheckpointError, CheckpointPolicy, TUNABLE_FIELDS,
+                                     checkpoint_name, load_checkpoint, load_latest,
+                                     save_checkpoint)
+from duelq.server.config import LearnerConfig
+from duelq.server.errors import InvalidArgument
+from duelq.server.learner import Learner
+from duelq.server.state import LearnerState
+
+CONFIG = LearnerConfig(hidden_dim=8, n_actions=3, isv_size=16, isv_slots={"ent": 5},
+                       step_entropy_slot="ent", tau=0.1, target_update_period=2, seed=7)
+
+
+def batches(count: int, seed: int = 1, size: int = 6) -> list[Batch]:
+    rng = np.random.default_rng(seed)
+    H, N = CONFIG.hidden_dim, CONFIG.n_actions
+    return [Batch(h_t=rng.standard_normal((size, H), dtype=np.float32),
+                  h_tp1=rng.standard_normal((size, H), dtype=np.float32),
+                  actions=rng.integers(0, N, size, dtype=np.int32),
+                  rewards=rng.standard_normal(size, dtype=np.float32),
+                  dones=(rng.random(size) < 0.2).astype(np.float32),
+                  discounts=np.full(size, 0.99, np.float32),
+                  weights=rng.random(size, dtype=np.float32))
+            for _ in range(count)]
+
+
+def trained(steps: int) -> LearnerState:
+    learner = Learner(CONFIG, backend="reference")
+    for batch in batches(steps):
+        learner.step(batch)
+    return learner.snapshot()
+
+
+@pytest.fixture(scope="module")
+def state() -> LearnerState:
+    return trained(3)
+
+
+def test_round_trip_is_bit_identical(tmp_path, state):
+    path = save_checkpoint(tmp_path, state, CONFIG, backend="reference")
+    assert path == tmp_path / "ckpt-000000000003.safetensors"
+    loaded = load_checkpoint(path, CONFIG)
+    assert loaded.checksum() == state.checksum()
+    assert loaded.isv_observed.dtype == bool and loaded.isv_observed[5]
+    assert all(a.dtype == np.float32 for a in loaded.adam_v.arrays())
+    with safetensors.safe_open(path, framework="numpy") as f:
+        info = json.loads(f.metadata()["duelq"])
+    assert (info["format_version"], info["step"], info["backend"]) == (1, 3, "reference")
+    assert LearnerConfig.from_dict(info["config"]) == CONFIG
+
+
+def test_stopped_and_resumed_run_matches_one_never_stopped(tmp_path):
+    k, data = 4, batches(8)
+    never_stopped = Learner(CONFIG, backend="reference")
+    for batch in data:
+        never_stopped.step(batch)
+
+    first = Learner(CONFIG, backend="reference")
+    for batch in data[:k]:
+        first.step(batch)
+    save_checkpoint(tmp_path, first.snapshot(), CONFIG)
+    del first
+    loaded, path = load_latest(tmp_path, CONFIG)
+    assert path.name == checkpoint_name(k)
+    resumed = Learner(CONFIG, backend="reference", state=loaded)
+    for batch in data[k:]:
+        resumed.step(batch)
+
+    assert resumed.snapshot().checksum() == never_stopped.snapshot().checksum()
+    assert resumed.step_count == 2 * k
+
+
+def test_keeps_the_newest_k(tmp_path):
+    learner = Learner(CONFIG, backend="reference")
+    for batch in batches(5):
+        learner.step(batch)
+        save_checkpoint(tmp_path, learner.snapshot(), CONFIG, keep=2)
+    assert sorted(os.listdir(tmp_path)) == [checkpoint_name(4), checkpoint_name(5)]
+    loaded, path = load_latest(tmp_path, CONFIG)
+    assert path.name == checkpoint_name(5) and loaded.checksum() == learner.snapshot().checksum()
+
+
+def test_same_step_is_replaced_and_older_step_refused(tmp_path, state):
+    save_checkpoint(tmp_path, state, CONFIG)
+    save_checkpoint(tmp_path, state, CONFIG)
+    assert os.listdir(tmp_path) == [checkpoint_name(3)]
+    with pytest.raises(CheckpointError, match=r"refusing to write step 1: .*ckpt-000000000003"):
+        save_checkpoint(tmp_path, trained(1), CONFIG)
+    assert os.listdir(tmp_path) == [checkpoint_name(3)]
+
+
+def test_crash_at_rename_leaves_no_partial_file(tmp_path, state, monkeypatch):
+    save_checkpoint(tmp_path, state, CONFIG)
+    newer = trained(4)
+
+    def crash(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(CheckpointError, match=r"ckpt-000000000004.*write failed"):
+        save_checkpoint(tmp_path, newer, CONFIG)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [checkpoint_name(3)]
+    loaded, path = load_latest(tmp_path, CONFIG)
+    assert path.name == checkpoint_name(3) and loaded.checksum() == state.checksum()
+
+
+def test_killed_writer_leaves_a_stray_temp_that_is_ignored_then_cleaned(tmp_path, state):
+    save_checkpoint(tmp_path, state, CONFIG)
+    child = textwrap.dedent(f"""
+        import os, signal, sys
+        from duelq.server.checkpoint import save_checkpoint
+        from duelq.server.learner import Learner
+        from test_checkpoint import CONFIG, batches
+        learner = Learner(CONFIG, backend="reference")
+        for batch in batches(5):
+            learner.step(batch)
+        os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)
+        save_checkpoint({str(tmp_path)!r}, learner.snapshot(), CONFIG)
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=Path(__file__).parent)
+    assert proc.returncode == -9
+    stray = [n for n in os.listdir(tmp_path) if n != checkpoint_name(3)]
+    assert len(stray) == 1 and stray[0].startswith(".ckpt-") and stray[0].endswith(".tmp")
+    assert (tmp_path / stray[0]).stat().st_size > 0
+
+    loaded, path = load_latest(tmp_path, CONFIG)
+    assert path.name == checkpoint_name(3) and loaded.checksum() == state.checksum()
+    save_checkpoint(tmp_path, trained(4), CONFIG)
+    assert sorted(os.listdir(tmp_path)) == [checkpoint_name(3), checkpoint_name(4)]
+
+
+@pytest.mark.parametrize("length", [0, 7, 100, -1])
+def test_truncated_file_is_refused(tmp_path, state, length):
+    path = save_checkpoint(tmp_path, state, CONFIG)
+    data = path.read_bytes()
+    path.write_bytes(data[:length % len(data)])
+    with pytest.raises(CheckpointError, match=r"ckpt-000000000003\.safetensors: not a readable"):
+        load_latest(tmp_path, CONFIG)
+
+
+def test_every_flipped_byte_is_refused(tmp_path, state):
+    path = save_checkpoint(tmp_path, state, CONFIG)
+    data = path.read_bytes()
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 1 << (i % 8)
+        path.write_bytes(bad)
+        with pytest.raises(CheckpointError):
+            load_checkpoint(path, CONFIG)
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x01  # last byte of the tensor data
+    path.write_bytes(flipped)
+    with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
+        load_checkpoint(path, CONFIG)
+
+
+def test_newest_corrupt_file_does_not_fall_back_to_an_older_one(tmp_path, state):
+    save_checkpoint(tmp_path, state, CONFIG)
+    newest = save_checkpoint(tmp_path, trained(4), CONFIG)
+    newest.write_bytes(newest.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="ckpt-000000000004"):
+        load_latest(tmp_path, CONFIG)
+
+
+def test_other_format_version_is_refused(tmp_path, state, monkeypatch):
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 2)
+    path = save_checkpoint(tmp_path, state, CONFIG)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="format version 2; this build reads version 1"):
+        load_checkpoint(path, CONFIG)
+
+
+def test_config_mismatch_is_refused_strictly(tmp_path, state):
+    path = save_checkpoint(tmp_path, state, CONFIG)
+    wider = dataclasses.replace(CONFIG, hidden_dim=16)
+    with pytest.raises(CheckpointError, match=r"config mismatch \(hidden_dim: checkpoint 8, "
+                                              r"server 16\)"):
+        load_latest(tmp_path, wider)
+    slower = dataclasses.replace(CONFIG, lr=1e-5)
+    with pytest.raises(CheckpointError, match=r"lr: checkpoint 0\.0001, server 1e-05"):
+        load_checkpoint(path, slower)
+    assert load_checkpoint(path, slower, allow_changes=["lr"]).checksum() == state.checksum()
+    with pytest.raises(CheckpointError, match="optimizer"):
+        load_checkpoint(path, dataclasses.replace(CONFIG, optimizer="sgd", lr=1e-5),
+                        allow_changes=["lr"])
+    with pytest.raises(InvalidArgument, match=r"allow_changes: \['isv_size'\]"):
+        load_checkpoint(path, CONFIG, allow_changes=["isv_size"])
+
+
+def test_tunable_fields_are_config_fields_and_exclude_layout():
+    names = {f.name for f in dataclasses.fields(LearnerConfig)}
+    assert TUNABLE_FIELDS <= names
+    assert names - TUNABLE_FIELDS == {"hidden_dim", "n_actions", "isv_size", "isv_slots",
+                                      "optimizer"}
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("adam_m.W_a", np.zeros((8, 3), np.float64), r"adam_m\.W_a is float64\[8, 3\], "
+                                                 r"expected float32\[8, 3\]"),
+    ("isv", np.zeros(15, np.float32), r"isv is float32\[15\], expected float32\[16\]"),
+    ("extra", np.zeros(1, np.float32), r"unexpected \['extra'\]"),
+    ("isv_observed", np.full(16, 2, np.uint8), "values other than 0 and 1"),
+])
+def test_wrong_tensor_layout_is_refused(tmp_path, state, name, bad, message):
+    tensors = checkpoint._state_tensors(state, CONFIG, tmp_path)
+    tensors[name] = bad
+    info = {"format_version": 1, "step": 3, "config": CONFIG.to_dict()}
+    path = tmp_path / checkpoint_name(3)
+    path.write_bytes(checkpoint._encode(tensors, info))
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, CONFIG)
+
+
+def test_state_that_does_not_fit_the_config_is_not_written(tmp_path, state):
+    with pytest.raises(CheckpointError, match="does not fit the config: tensor params.w_v"):
+        save_checkpoint(tmp_path, state, dataclasses.replace(CONFIG, hidden_dim=9))
+    assert os.listdir(tmp_path) == []
+
+
+def test_renamed_file_is_refused(tmp_path, state):
+    path = save_checkpoint(tmp_path, state, CONFIG)
+    path.rename(tmp_path / checkpoint_name(30))
+    with pytest.raises(CheckpointError, match="holds step 3, but its name says step 30"):
+        load_latest(tmp_path, CONFIG)
+
+
+def test_directory_without_checkpoints_gives_none(tmp_path):
+    assert load_latest(tmp_path / "missing", CONFIG) is None
+    assert load_latest(tmp_path, CONFIG) is None
+    (tmp_path / ".ckpt-000000000009.abc.tmp").write_bytes(b"partial")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert load_latest(tmp_path, CONFIG) is None
+
+
+def test_keep_must_be_positive(tmp_path, state):
+    with pytest.raises(InvalidArgument, match="keep"):
+        save_checkpoint(tmp_path, state, CONFIG, keep=0)
+
+
+def test_policy_every_n_steps():
+    policy = CheckpointPolicy(every_steps=3, now=0.0)
+    assert [s for s in range(1, 10) if policy.maybe_save(s, now=float(s))] == [3, 6, 9]
+    policy.record(10, now=10.0)  # an on-demand save restarts the count
+    assert [s for s in range(11, 16) if policy.maybe_save(s, now=float(s))] == [13]
+
+
+def test_policy_every_t_seconds_only_when_steps_advanced():
+    policy = CheckpointPolicy(every_seconds=60, step=100, now=1000.0)
+    assert not policy.maybe_save(101, now=1059.9)
+    assert policy.maybe_save(101, now=1060.0)
+    assert not policy.maybe_save(101, now=1200.0)  # nothing new since the last save
+    assert policy.maybe_save(102, now=1200.0)
+    assert not policy.maybe_save(103, now=1259.0)
+
+
+def test_policy_either_trigger_and_off():
+    policy = CheckpointPolicy(every_steps=10, every_seconds=5.0, now=0.0)
+    assert policy.maybe_save(1, now=5.0)       # time first
+    assert policy.maybe_save(11, now=6.0)      # then steps
+    never = CheckpointPolicy(now=0.0)
+    assert not any(never.maybe_save(s, now=s * 1e6) for s in range(1, 100))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"every_steps": -1}, "every_steps"), ({"every_steps": 1.5}, "every_steps"),
+    ({"every_seconds": -1.0}, "every_seconds"), ({"every_seconds": float("inf")}, "every_seconds"),
+])
+def test_policy_rejects_bad_periods(kwargs, field):
+    with pytest.raises(InvalidArgument, match=field):
+        CheckpointPolicy(**kwargs, now=0.0)
