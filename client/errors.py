@@ -1,7 +1,7 @@
 """One exception hierarchy for the client; every grpc.RpcError is translated into it.
 
-Each error keeps the gRPC status ``code`` (None for checks made locally before
-sending) and the server's message ``details``.  Where a builtin fits, the
+Each error keeps the gRPC status ``code`` (for a check made locally before
+sending, the code the server would have answered) and the message ``details``.  Where a builtin fits, the
 class also derives from it (ValueError, ConnectionError, TimeoutError), so
 generic handlers keep working.
 """

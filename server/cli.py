@@ -1,0 +1,229 @@
+"""The ``duelq`` command: ``duelq serve`` runs a learner server, ``duelq demo`` shows one train.
+
+Every flag can also be set by an environment variable ``DUELQ_<FLAG>`` (for
+``--max-streams``: ``DUELQ_MAX_STREAMS``); a flag on the command line wins.
+The LearnerConfig and ServerOptions flags are generated from those dataclasses,
+with their field docstrings as help, so a new knob becomes a flag by itself.
+
+Exit codes: 0 success (also a clean shutdown on SIGINT/SIGTERM), 1 a runtime
+failure (cannot bind, no usable backend, the demo failed), 2 a usage or
+configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import sys
+import textwrap
+import threading
+from typing import Any, Callable, Sequence
+
+from .config import LearnerConfig
+from .demo import run_demo
+from .errors import InvalidArgument
+from .learner import BACKENDS, Learner
+from .server import LearnerServer, ServerOptions
+
+log = logging.getLogger("duelq")
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+ENV_PREFIX = "DUELQ_"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+SECRETS = {"token"}  # never echoed in --help
+
+
+class UsageError(Exception):
+    """A flag or environment variable has a value that cannot be used."""
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, by field name."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in TRUE:
+        return True
+    if text.lower() in FALSE:
+        return False
+    raise ValueError(f"expected one of {TRUE + FALSE}")
+
+
+def parse_slots(text: str) -> dict[str, int]:
+    """``name=index,name=index`` → {name: index}."""
+    slots = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, index = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not name=index")
+        slots[name.strip()] = int(index)
+    return slots
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": int, "float": float, "str": str, "bool": parse_bool, "Mapping[str, int]": parse_slots,
+}
+
+
+def add_flag(group, dest: str, kind: str, default: Any, help: str, **extra) -> None:
+    """A flag whose default comes from ``DUELQ_<DEST>`` when that is set."""
+    parse = _PARSERS[kind]
+    env = env_name(dest)
+    if env in os.environ:
+        try:
+            default = parse(os.environ[env])
+        except ValueError as exc:
+            raise UsageError(f"{env}={os.environ[env]!r}: {exc}") from None
+        if "choices" in extra and default not in extra["choices"]:
+            raise UsageError(f"{env}={default!r}: must be one of {extra['choices']}")
+    if dest in SECRETS or default in ("", None):
+        shown = ""
+    elif kind.startswith("Mapping"):
+        shown = "default " + ",".join(f"{k}={v}" for k, v in default.items()) + "; "
+    else:
+        shown = f"default {default}; "
+    help = f"{help} [{shown}env {env}]".replace("%", "%%")
+    if kind == "bool":
+        group.add_argument(flag_name(dest), dest=dest, default=default, help=help,
+                           action=argparse.BooleanOptionalAction)
+    else:
+        group.add_argument(flag_name(dest), dest=dest, default=default, help=help,
+                           type=parse, metavar=None if "choices" in extra else dest.upper(),
+                           **extra)
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str,
+                        defaults: dict[str, Any] | None = None) -> None:
+    group = parser.add_argument_group(title)
+    docs = field_docs(cls)
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        add_flag(group, f.name, str(f.type), defaults.get(f.name, default), docs.get(f.name, ""))
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """Build ``cls`` from the parsed flags; its InvalidArgument becomes a UsageError."""
+    try:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    except InvalidArgument as exc:
+        raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
+
+
+DEMO_COUNTS = ("actors", "steps", "batch_size", "window", "sync_every")
+
+
+def add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("demo (--token, if set, is also sent to --target)")
+    add_flag(group, "target", "str", "", "host:port of a running server; empty starts one "
+             "in-process")
+    add_flag(group, "actors", "int", 4, "actor threads, one TrainStream each")
+    add_flag(group, "steps", "int", 300, "batches per actor")
+    add_flag(group, "batch_size", "int", 128, "transitions per batch (B)")
+    add_flag(group, "window", "int", 8, "batches in flight per stream")
+    add_flag(group, "sync_every", "int", 10, "batches between weight pulls")
+    add_flag(group, "plot", "str", "duelq-demo-loss.png", "where to save the loss-curve PNG")
+    add_flag(group, "demo_seed", "int", 1, "seed of the synthetic task and the actors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duelq", description="A gRPC learner service for a Dueling-DQN head.",
+        epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error. "
+               "Every flag also reads DUELQ_<FLAG> from the environment.")
+    add_flag(parser, "log_level", "str", "", "logging level (DEBUG, INFO, WARNING, ERROR; "
+             "default INFO for serve, WARNING for demo)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+
+    serve = commands.add_parser("serve", help="run a learner server until SIGINT/SIGTERM",
+                                description="Run a learner server until SIGINT or SIGTERM.")
+    add_flag(serve, "backend", "str", "auto", "auto picks cuda when a GPU is usable",
+             choices=BACKENDS)
+    add_dataclass_flags(serve, ServerOptions, "server and limits")
+    add_dataclass_flags(serve, LearnerConfig, "learner (LearnerConfig)")
+
+    demo = commands.add_parser(
+        "demo", help="train with concurrent actors on synthetic data and summarise",
+        description="Start a server in-process (or use --target), stream synthetic batches "
+                    "from several actors, print a summary and save the loss curve.")
+    add_flag(demo, "backend", "str", "auto", "auto picks cuda when a GPU is usable",
+             choices=BACKENDS)
+    add_demo_flags(demo)
+    add_dataclass_flags(demo, ServerOptions, "in-process server and limits", {"port": 0})
+    add_dataclass_flags(demo, LearnerConfig, "learner (LearnerConfig)", {"lr": 3e-3})
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM: bind, build the backend, SERVING, drain on exit."""
+    config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
+    server = LearnerServer(options)
+    try:
+        server.start()
+    except OSError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILURE
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    try:
+        learner = Learner(config, backend=args.backend, max_batch_size=options.max_batch_size)
+    except Exception as exc:  # noqa: BLE001 — any backend failure ends the command
+        log.error("cannot start the %s backend: %s", args.backend, exc)
+        server.stop(0)
+        return EXIT_FAILURE
+    server.attach(learner)
+    while not stop.wait(0.5):
+        pass
+    log.info("draining running rpcs for up to %g s", options.grace_s)
+    server.stop()
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``duelq`` console script; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
+        if not isinstance(logging.getLevelName(level), int):
+            raise UsageError(f"--log-level: unknown level {args.log_level!r}")
+        logging.basicConfig(level=level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.command == "serve":
+            return serve(args)
+        for name in DEMO_COUNTS:
+            if getattr(args, name) < 1:
+                raise UsageError(f"{flag_name(name)}: must be ≥ 1")
+        return run_demo(args, from_args(LearnerConfig, args), from_args(ServerOptions, args))
+    except UsageError as exc:
+        print(f"duelq: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The Tensor codec: byte layout, bfloat16 rounding, and size checks before decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duelq.client import errors
+from duelq.client.tensors import (bfloat16_bits_to_float32, decode, encode,
+                                  float32_to_bfloat16_bits)
+from duelq.v1 import learner_pb2 as pb
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint8, np.bool_])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 0, 4)])
+def test_round_trip_is_exact(dtype, shape):
+    a = (np.random.default_rng(0).standard_normal(shape) * 50).astype(dtype)
+    tensor = encode(a, "x")
+    assert list(tensor.shape) == list(shape) and len(tensor.data) == a.nbytes
+    b = decode(tensor, "x")
+    assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+
+
+def test_bytes_are_little_endian_row_major_whatever_the_input_layout():
+    a = np.arange(6, dtype=np.int32).reshape(2, 3)
+    expected = a.astype("<i4").tobytes(order="C")
+    assert encode(np.asfortranarray(a), "x").data == expected
+    assert encode(a.astype(">i4"), "x").data == expected
+    assert encode(a.T.copy().T, "x").data == expected
+
+
+def test_decode_is_a_read_only_view_of_the_message_bytes():
+    b = decode(encode(np.ones((4, 4), np.float32), "x"), "x")
+    assert not b.flags.writeable
+
+
+@pytest.mark.parametrize("value, bits", [
+    (1.0, 0x3F80),
+    (1 + 1 / 256, 0x3F80),     # halfway between 0x3F80 and 0x3F81: to even
+    (1 + 3 / 256, 0x3F82),     # halfway between 0x3F81 and 0x3F82: to even
+    (1 + 1.01 / 256, 0x3F81),  # just past halfway: up
+    (-2.0, 0xC000),
+    (-0.0, 0x8000),
+    (np.inf, 0x7F80),
+    (-np.inf, 0xFF80),
+])
+def test_bfloat16_rounds_to_nearest_even(value, bits):
+    assert float32_to_bfloat16_bits(np.array([value], np.float32))[0] == bits
+
+
+def test_bfloat16_keeps_nan_and_decodes_to_float32():
+    a = np.array([np.nan, 0.1, 3.0, -1e-3], np.float32)
+    tensor = encode(a, "h", wire="bfloat16")
+    assert tensor.dtype == pb.DTYPE_BFLOAT16 and len(tensor.data) == 2 * a.size
+    b = decode(tensor, "h")
+    assert b.dtype == np.float32 and np.isnan(b[0])
+    assert np.allclose(b[1:], a[1:], rtol=2 ** -8, atol=0)
+    assert np.array_equal(b[1:], bfloat16_bits_to_float32(float32_to_bfloat16_bits(a[1:])))
+
+
+def _tensor(dtype=pb.DTYPE_FLOAT32, shape=(2, 2), data=bytes(16)):
+    return pb.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+@pytest.mark.parametrize("tensor, problem", [
+    (_tensor(data=bytes(15)), "has 15 bytes, but shape [2, 2] of float32 needs 16"),
+    (_tensor(data=bytes(20)), "has 20 bytes"),
+    (_tensor(shape=(2, -2)), "negative dimension"),
+    (_tensor(shape=(1,) * 9, data=bytes(4)), "at most 8"),
+    (_tensor(dtype=pb.DTYPE_UNSPECIFIED), "got DTYPE_UNSPECIFIED"),
+    (_tensor(dtype=99), "got 99"),
+    (_tensor(dtype=pb.DTYPE_BOOL, shape=(2,), data=b"\x00\x02"), "0 or 1"),
+    (_tensor(dtype=pb.DTYPE_INT32, shape=(1 << 40,), data=bytes(8)), "needs 4398046511104"),
+])
+def test_decode_checks_size_and_dtype_before_the_data(tensor, problem):
+    with pytest.raises(errors.InvalidArgument) as info:
+        decode(tensor, "h_t")
+    assert info.value.field == "h_t" and problem in info.value.details
+    assert info.value.details.startswith("h_t: ")
+
+
+@pytest.mark.parametrize("array, wire", [
+    (np.zeros(3, np.float64), None),
+    (np.zeros(3, np.int64), None),
+    (np.zeros(3, np.int32), "bfloat16"),
+    (np.zeros(3, np.float32), "int32"),
+    (np.zeros(3, np.float32), "complex64"),
+])
+def test_encode_refuses_what_the_wire_cannot_carry(array, wire):
+    with pytest.raises(errors.InvalidArgument) as info:
+        encode(array, "rewards", wire=wire)
+    assert info.value.field == "rewards"
