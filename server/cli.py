@@ -145,6 +145,8 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(group, "sync_every", "int", 10, "batches between weight pulls")
     add_flag(group, "plot", "str", "duelq-demo-loss.png", "where to save the loss-curve PNG")
     add_flag(group, "demo_seed", "int", 1, "seed of the synthetic task and the actors")
+    add_flag(group, "ready_timeout", "float", 30.0, "seconds to wait for the server's health "
+             "to say SERVING")
 
 
 def build_parser() -> argparse.ArgumentParser:

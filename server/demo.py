@@ -194,7 +194,7 @@ def run_demo(args: argparse.Namespace, config: LearnerConfig, options: ServerOpt
 def _run(args: argparse.Namespace, where: str) -> int:
     try:
         with LearnerClient(args.target, token=args.token or None) as client:
-            client.wait_ready(timeout=30)
+            client.wait_ready(timeout=args.ready_timeout)
             info = client.info()
     except errors.DuelqError as exc:
         print(f"duelq demo: {exc}")
