@@ -252,14 +252,15 @@ class LearnerClient:
 
     def _call(self, method: Callable, request):
         """A unary call with retries on UNAVAILABLE; errors translated."""
-        for attempt in range(self.retries + 1):
+        attempts = 0
+        while True:
             try:
                 return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
-                    raise self._error(error, attempt + 1) from None
-            self._sleep(attempt)
-        raise AssertionError("unreachable")
+                attempts += 1
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempts > self.retries:
+                    raise self._error(error, attempts) from None
+            self._sleep(attempts - 1)
 
     # -- rpcs -----------------------------------------------------------------------------
 

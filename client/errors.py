@@ -1,9 +1,9 @@
 """One exception hierarchy for the client; every grpc.RpcError is translated into it.
 
 Each error keeps the gRPC status ``code`` (for a check made locally before
-sending, the code the server would have answered) and the message ``details``.  Where a builtin fits, the
-class also derives from it (ValueError, ConnectionError, TimeoutError), so
-generic handlers keep working.
+sending, the code the server would have answered) and the message
+``details``.  Where a builtin fits, the class also derives from it
+(ValueError, ConnectionError, TimeoutError), so generic handlers keep working.
 """
 
 from __future__ import annotations

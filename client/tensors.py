@@ -78,8 +78,8 @@ def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
     the shape is malformed or the byte length is not prod(shape) × itemsize.
     """
     if tensor.dtype not in _BY_ENUM:
-        raise _bad(field, f"dtype must be one of {sorted(WIRE_DTYPES)}, "
-                          f"got {pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype}")
+        got = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype
+        raise _bad(field, f"dtype must be one of {sorted(WIRE_DTYPES)}, got {got}")
     name, raw = _BY_ENUM[tensor.dtype]
     shape = tuple(tensor.shape)
     if len(shape) > MAX_NDIM:

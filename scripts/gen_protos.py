@@ -3,7 +3,8 @@
 Usage: ``python scripts/gen_protos.py [--out DIR]`` (default: in place, next to
 the proto).  The generator is pinned to grpcio-tools 1.84.0 (the ``test``
 extra): its gencode runs on the GPU image's grpcio 1.84.0 / protobuf 7.36 and
-on the newest releases, whereas 1.84.1+ gencode refuses grpcio 1.84.0.  tests/test_protos.py checks that regenerating changes nothing.
+on the newest releases, whereas 1.84.1+ gencode refuses grpcio 1.84.0.
+tests/test_protos.py checks that regenerating changes nothing.
 """
 
 from __future__ import annotations
