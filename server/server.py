@@ -32,6 +32,7 @@ from .config import LearnerConfig
 from .errors import InvalidArgument
 from .idempotency import ReplayGuard
 from .learner import Learner
+from .metrics import Metrics
 from .service import Checkpointer, LearnerService, Limits
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ServerOptions:
     """PEM CA bundle file; if set, clients must present a certificate it signed (mTLS)."""
     grace_s: float = 5.0
     """Seconds running rpcs get to finish on shutdown."""
+    metrics_port: int = 0
+    """HTTP port of the Prometheus /metrics endpoint (on ``host``); 0 turns metrics off."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, problem: str) -> None:
@@ -86,6 +89,7 @@ class ServerOptions:
         need(not self.tls_client_ca or bool(self.tls_cert), "tls_client_ca",
              "needs tls_cert and tls_key")
         need(self.grace_s >= 0, "grace_s", "must be ≥ 0")
+        need(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
 
 
 class BearerAuth(grpc.ServerInterceptor):
@@ -133,6 +137,10 @@ class LearnerServer:
             Limits(options.max_message_bytes, options.max_batch_size, options.max_streams),
             replay=ReplayGuard(capacity=options.replay_cache), checkpoint=checkpoint)
         auth = (BearerAuth(options.token),) if options.token else ()
+        # Outermost, so refusals by the auth interceptor are counted too.
+        self.metrics = Metrics(lambda: self.service._learner) if options.metrics_port else None
+        if self.metrics is not None:
+            auth = (self.metrics.interceptor,) + auth
         size = options.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_rpcs,
@@ -184,6 +192,8 @@ class LearnerServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self._server.start()
+        if self.metrics is not None:
+            self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         log.info("listening on %s (%s), health NOT_SERVING until the backend is ready",
                  f"{self.options.host}:{self.port}", "TLS" if self.options.tls_cert else
                  "plaintext")
@@ -201,6 +211,8 @@ class LearnerServer:
         self.health.enter_graceful_shutdown()
         grace = self.options.grace_s if grace_s is None else grace_s
         self._server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.close()
         log.info("stopped")
 
 
