@@ -156,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                "Every flag also reads DUELQ_<FLAG> from the environment.")
     add_flag(parser, "log_level", "str", "", "logging level (DEBUG, INFO, WARNING, ERROR; "
              "default INFO for serve, WARNING for demo)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+    add_flag(parser, "log_format", "str", "text", "text, or json: one JSON object per line "
+             "for log shippers", choices=("text", "json"))
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{serve,demo,health}")
 
     serve = commands.add_parser("serve", help="run a learner server until SIGINT/SIGTERM",
                                 description="Run a learner server until SIGINT or SIGTERM.")
@@ -174,7 +177,52 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_flags(demo)
     add_dataclass_flags(demo, ServerOptions, "in-process server and limits", {"port": 0})
     add_dataclass_flags(demo, LearnerConfig, "learner (LearnerConfig)", {"lr": 3e-3})
+
+    probe = commands.add_parser(
+        "health", help="ask a server's grpc.health.v1 service whether it is SERVING",
+        description="Exit 0 if the server at --target reports SERVING, 1 otherwise "
+                    "(NOT_SERVING, unreachable, timed out). Used by the Docker HEALTHCHECK.")
+    add_flag(probe, "target", "str", "localhost:50051", "host:port of the server")
+    add_flag(probe, "timeout", "float", 3.0, "seconds to wait for the answer")
+    add_flag(probe, "tls_ca", "str", "", "PEM CA bundle to verify a TLS server with; empty "
+             "for plaintext")
     return parser
+
+
+def health_check(args: argparse.Namespace) -> int:
+    """One grpc.health.v1 Check of the Learner service; prints the status."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .server import SERVICE_NAME
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.target)
+    with channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.target}: {exc.code().name}: {exc.details()}")
+            return EXIT_FAILURE
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(f"{args.target}: {status}")
+    return EXIT_OK if answer.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    """Root logging to stderr as text, or as JSON lines (python-json-logger)."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"levelname": "level",
+                                                          "asctime": "time"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -214,10 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
         if not isinstance(logging.getLevelName(level), int):
             raise UsageError(f"--log-level: unknown level {args.log_level!r}")
-        logging.basicConfig(level=level,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(level, args.log_format)
         if args.command == "serve":
             return serve(args)
+        if args.command == "health":
+            return health_check(args)
         for name in DEMO_COUNTS:
             if getattr(args, name) < 1:
                 raise UsageError(f"{flag_name(name)}: must be ≥ 1")
