@@ -25,7 +25,10 @@ import threading
 from typing import Any, Callable, Sequence
 
 from .config import LearnerConfig
+from duelq.client.gym_actor import OPTIMAL_RETURN
+
 from .demo import run_demo
+from .gym_demo import env_config
 from .errors import InvalidArgument
 from .learner import BACKENDS, Learner
 from .server import LearnerServer, ServerOptions
@@ -131,7 +134,7 @@ def from_args(cls: type, args: argparse.Namespace):
         raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
 
 
-DEMO_COUNTS = ("actors", "steps", "batch_size", "window", "sync_every")
+DEMO_COUNTS = ("actors", "steps", "batch_size", "window", "sync_every", "env_steps")
 
 
 def add_demo_flags(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +150,10 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(group, "demo_seed", "int", 1, "seed of the synthetic task and the actors")
     add_flag(group, "ready_timeout", "float", 30.0, "seconds to wait for the server's health "
              "to say SERVING")
+    add_flag(group, "env", "str", "", "a gymnasium task with a known optimum instead of the "
+             "synthetic one; sizes the head for it and applies optimizer=sgd, lr=0.5, tau=0.05 "
+             "to the learner knobs left at their defaults", choices=("",) + tuple(OPTIMAL_RETURN))
+    add_flag(group, "env_steps", "int", 2000, "environment steps per actor with --env")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,7 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in DEMO_COUNTS:
             if getattr(args, name) < 1:
                 raise UsageError(f"{flag_name(name)}: must be ≥ 1")
-        return run_demo(args, from_args(LearnerConfig, args), from_args(ServerOptions, args))
+        config = from_args(LearnerConfig, args)
+        if args.env:
+            defaults = from_args(LearnerConfig, build_parser().parse_args(["demo"]))
+            config = env_config(args.env, config, defaults)
+        return run_demo(args, config, from_args(ServerOptions, args))
     except UsageError as exc:
         print(f"duelq: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

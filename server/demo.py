@@ -33,6 +33,7 @@ from duelq.client import Batch, LearnerClient, errors
 from duelq.client.client import ServerInfo
 
 from .config import LearnerConfig
+from .gym_demo import run_env_demo
 from .learner import cuda_usable
 from .server import ServerOptions, start_server
 
@@ -185,7 +186,7 @@ def run_demo(args: argparse.Namespace, config: LearnerConfig, options: ServerOpt
             return 1
         args.target = server.target
     try:
-        return _run(args, where)
+        return run_env_demo(args) if args.env else _run(args, where)
     finally:
         if server is not None:
             server.stop(1.0)

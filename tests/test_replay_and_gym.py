@@ -83,3 +83,23 @@ def test_greedy_policy_reaches_the_optimum_on_frozen_lake():
     assert report.batches == learner.step_count == 1800
     assert before < OPTIMAL_RETURN[env_id]
     assert greedy_return(env_id, learner.weights()[0]) == OPTIMAL_RETURN[env_id]
+
+
+def test_env_demo_learns_through_the_server(tmp_path, capsys):
+    pytest.importorskip("gymnasium")
+    from duelq.server.cli import main
+    plot = tmp_path / "frozen.png"
+    code = main(["demo", "--env", "FrozenLake-v1", "--actors", "2", "--env-steps", "1500",
+                 "--backend", "reference", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "greedy policy return 1 (optimum 1): reaches the optimum" in out
+    assert "2600 learner steps" in out  # 2 actors × (1500 − 200 warm-up) batches
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_env_demo_refuses_a_server_of_the_wrong_size(server, capsys):
+    pytest.importorskip("gymnasium")
+    from duelq.server.cli import main
+    assert main(["demo", "--env", "FrozenLake-v1", "--target", server.target]) == 1
+    assert "FrozenLake-v1 needs H, N = (16, 4)" in capsys.readouterr().out
