@@ -1,0 +1,138 @@
+// dueling_common.cuh — sizes, parameter layout and block helpers shared by the kernels.
+//
+// Sizes come from the configuration as compile-time defines:
+//   -DHIDDEN_DIM=<H> -DN_ACTIONS=<N> [-DROW_TILE=<feature rows per tile>]
+//
+// Device layout of one parameter set (θ, θ⁻, Adam m, Adam v all alike):
+//   weights [N_OUT][HIDDEN_DIM]  row 0 = w_v, row 1+a = W_a[:, a]
+//   biases  [N_OUT]              b_v, then b_a[0..N)
+// so output j of a feature row x is  x · weights[j] + biases[j]  (j = 0 is V, j = 1+a is A[a]).
+// Sets are PARAM_STRIDE floats apart (16-byte aligned rows for vector loads).
+//
+// No atomics anywhere: every reduction runs in an order fixed by the launch shape.
+
+#ifndef DUELING_COMMON_CUH
+#define DUELING_COMMON_CUH
+
+#ifndef HIDDEN_DIM
+#error "compile with -DHIDDEN_DIM=<H>"
+#endif
+#ifndef N_ACTIONS
+#error "compile with -DN_ACTIONS=<N>"
+#endif
+
+#define THREADS 256                                   // threads per block of the row kernels
+#define N_OUT (N_ACTIONS + 1)                         // V and A[0..N)
+#define N_WEIGHTS (N_OUT * HIDDEN_DIM)
+#define N_PARAMS (N_WEIGHTS + N_OUT)
+#define PARAM_STRIDE (((N_PARAMS + 63) / 64) * 64)    // floats between parameter sets
+#define HS (((HIDDEN_DIM + 3) / 4) * 4 + 4)           // shared-memory row stride (floats)
+#define FULL_MASK 0xffffffffu
+
+// Feature rows move as float4 when H allows it.
+#if HIDDEN_DIM % 4 == 0
+typedef float4 vec_t;
+#define VW 4
+#else
+typedef float vec_t;
+#define VW 1
+#endif
+#define ROW_VECS (HIDDEN_DIM / VW)
+
+// Rows per tile: by default as many as keep ≤ 4 vectors of each matrix per thread in flight.
+#ifndef ROW_TILE
+#define ROW_TILE_FIT ((4 * THREADS * VW) / HIDDEN_DIM)
+#define ROW_TILE (ROW_TILE_FIT < 1 ? 1 : ROW_TILE_FIT > 16 ? 16 : ROW_TILE_FIT)
+#endif
+#define TILE_VECS (ROW_TILE * ROW_VECS)
+#define FETCH_PER_THREAD ((TILE_VECS + THREADS - 1) / THREADS)
+
+__device__ __forceinline__ vec_t vec_zero() {
+#if VW == 4
+    return make_float4(0.f, 0.f, 0.f, 0.f);
+#else
+    return 0.f;
+#endif
+}
+
+// Loads rows [row0, row0 + ROW_TILE) of x [*, H] into registers, every load in flight at
+// once; rows at or past row_end read as zero. Pair with stash_rows.
+__device__ __forceinline__ void fetch_rows(vec_t (&regs)[FETCH_PER_THREAD],
+                                           const float* __restrict__ x, int row0, int row_end) {
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+#pragma unroll
+    for (int k = 0; k < FETCH_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * THREADS, r = i / ROW_VECS, c = i - r * ROW_VECS;
+        regs[k] = (i < TILE_VECS && row0 + r < row_end)
+                      ? __ldg(xv + (size_t)(row0 + r) * ROW_VECS + c) : vec_zero();
+    }
+}
+
+// Stores fetched rows into xs [ROW_TILE][HS].
+__device__ __forceinline__ void stash_rows(const vec_t (&regs)[FETCH_PER_THREAD], float* xs) {
+#pragma unroll
+    for (int k = 0; k < FETCH_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * THREADS, r = i / ROW_VECS, c = i - r * ROW_VECS;
+        if (i < TILE_VECS) *reinterpret_cast<vec_t*>(xs + r * HS + c * VW) = regs[k];
+    }
+}
+
+// Dot product of a feature row in shared memory with a weight row (shared or global).
+__device__ __forceinline__ float dot_row(const float* __restrict__ x, const float* __restrict__ w) {
+#if VW == 4
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int c = 0; c < HIDDEN_DIM; c += 4) {
+        const float4 xv = *reinterpret_cast<const float4*>(x + c);
+        const float4 wv = *reinterpret_cast<const float4*>(w + c);
+        acc.x = fmaf(xv.x, wv.x, acc.x);
+        acc.y = fmaf(xv.y, wv.y, acc.y);
+        acc.z = fmaf(xv.z, wv.z, acc.z);
+        acc.w = fmaf(xv.w, wv.w, acc.w);
+    }
+    return (acc.x + acc.y) + (acc.z + acc.w);
+#else
+    float acc = 0.f;
+#pragma unroll 8
+    for (int c = 0; c < HIDDEN_DIM; ++c) acc = fmaf(x[c], w[c], acc);
+    return acc;
+#endif
+}
+
+// Mean of the advantages A[0..N) of one row of outputs [N_OUT].
+__device__ __forceinline__ float mean_advantage(const float* out) {
+    float s = 0.f;
+    for (int a = 0; a < N_ACTIONS; ++a) s += out[1 + a];
+    return s / (float)N_ACTIONS;
+}
+
+// Butterfly sums over a warp; every lane gets the same bits (a + b == b + a).
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Sum of one double per thread over the block, in a fixed order; every thread gets it.
+// `scratch` holds 33 doubles of shared memory.
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        double s = warp_sum(lane < warps ? scratch[lane] : 0.0);
+        if (lane == 0) scratch[32] = s;
+    }
+    __syncthreads();
+    const double total = scratch[32];
+    __syncthreads();  // scratch may be reused right after
+    return total;
+}
+
+#endif  // DUELING_COMMON_CUH

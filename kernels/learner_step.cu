@@ -1,0 +1,460 @@
+// learner_step.cu — one Dueling-DQN learner step (DESIGN §2) as ONE cooperative kernel,
+// plus the Q-values kernel of Act.
+//
+// Grid: G blocks of THREADS threads, all resident (cooperative launch), G ≤ #SMs.
+//   Phase 1 (rows)    block b owns rows [b·R, b·R + R), ROW_TILE at a time (the next tile's
+//                     loads in flight while this one computes): forward of θ(h_t), θ⁻(h_tp1)
+//                     and, for double DQN, θ(h_tp1); target action, y, δ, Huber, g; writes
+//                     td_errors / priorities and its partial gradient over its rows (never a
+//                     per-sample B·H·N buffer). Also copies its slice of the ISV to the next one.
+//   — grid barrier —
+//   Phase 2 (params)  block b owns a slice of the parameters: sums the G partials in block
+//                     order; with clipping, publishes its squared norm, waits at a second grid
+//                     barrier and sums all of them in block order; then Adam/SGD and the target
+//                     update on its slice. Block 0 also folds the batch entropy into the ISV.
+// The grid barrier is a per-block arrival flag that every block polls: no atomics, and no
+// reduction whose order depends on timing. Per-block loss, Q and norm partials go out with
+// the outputs and the host adds them in block order.
+//
+// Packed inputs (floats; B = batch):  h_t [B,H] | h_tp1 [B,H] | actions [B] (int32 bits) |
+//   rewards [B] | dones [B] | discounts [B] | weights [B] (only if has_weights)
+// Packed outputs: td_errors [B] | priorities [B] | entropy | per block g < G:
+//   finite[g] (1.0 = finite) | grad_norm[g] (of its slice) | loss_sum[g] | q_sum[g]
+
+#include "dueling_common.cuh"
+
+#define STAGE_WEIGHTS (N_PARAMS <= 12288)                 // θ and θ⁻ fit in shared memory
+#define WS_STRIDE (((N_PARAMS + 3) / 4) * 4)              // floats between staged sets
+#define PARAMS_PER_THREAD ((N_PARAMS + THREADS - 1) / THREADS)
+#define GRAD_IN_REGISTERS (PARAMS_PER_THREAD <= 32)
+#define STEP_SMEM_FLOATS (ROW_TILE * (2 * HS + 4 * N_OUT + 5) + (STAGE_WEIGHTS ? 2 * WS_STRIDE : 0))
+#define QV_SMEM_FLOATS (ROW_TILE * (HS + N_OUT + 1))
+
+// Read once by the host: parameters, set stride, dynamic shared bytes, rows per tile.
+extern "C" {
+__device__ unsigned int learner_layout[5] = {N_PARAMS, PARAM_STRIDE, STEP_SMEM_FLOATS * 4,
+                                             QV_SMEM_FLOATS * 4, ROW_TILE};
+}
+
+struct StepArgs {
+    const float* state;        // [4][PARAM_STRIDE] current θ, θ⁻, Adam m, Adam v
+    float* next;               // [4][PARAM_STRIDE] proposed state (every element written)
+    const float* isv;          // [isv_size] current ISV
+    float* isv_next;           // [isv_size] proposed ISV
+    const int* observed;       // [isv_size] current observed flags (0/1)
+    int* observed_next;        // [isv_size] proposed observed flags
+    const float* in;           // packed inputs
+    float* out;                // packed outputs
+    float* part_grad;          // [G][PARAM_STRIDE] per-block gradient partials
+    double* part_sq;           // [G] per-block squared gradient norms (clipping)
+    int* part_counts;          // [G][N_ACTIONS] per-block action counts
+    float* grad;               // [N_PARAMS] reduced gradient
+    unsigned int* arrivals;    // [G] grid-barrier arrival flags
+    double max_norm;           // global-norm clip threshold, 0 = off
+    unsigned int epoch;        // barrier generation of this launch (uses epoch, epoch+1)
+    int batch;                 // B
+    int rows_per_block;        // R
+    int has_weights;           // importance weights present
+    int double_dqn;            // select a* with θ instead of θ⁻
+    int adam;                  // 1 = Adam, 0 = SGD
+    int update_target;         // this step updates θ⁻
+    int isv_size;              // S
+    int entropy_slot;          // ISV slot of the batch action entropy, −1 = off
+    float kappa;               // Huber κ
+    float priority_eps;        // ε of |δ| + ε
+    float lr;                  // learning rate
+    float beta1, beta2, adam_eps;
+    float step_size;           // lr / (1 − β1^t)
+    float sqrt_bc2;            // sqrt(1 − β2^t)
+    float tau;                 // target update rate
+    float ent_alpha;           // EMA rate α of the entropy slot
+    float ent_keep;            // 1 − α
+};
+
+// Every block arrives with `target`, then waits until all G blocks have.
+__device__ __forceinline__ void grid_barrier(unsigned int* arrivals, unsigned int target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        asm volatile("st.relaxed.gpu.u32 [%0], %1;" ::"l"(arrivals + blockIdx.x), "r"(target)
+                     : "memory");
+    }
+    if (threadIdx.x < 32) {
+        for (int i = threadIdx.x; i < (int)gridDim.x; i += 32) {
+            unsigned int seen;
+            do {
+                asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals + i)
+                             : "memory");
+            } while ((int)(seen - target) < 0);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// Column sums over the G blocks: thread t < ncols gets Σ_g src[g * stride + t] (0 elsewhere).
+// Each column is split into contiguous block ranges summed by different threads, and the
+// range sums are added in range order. `red` holds THREADS values of shared memory.
+template <typename T>
+__device__ __forceinline__ T sum_columns(const T* src, int stride, int ncols, int G, T* red) {
+    const int tid = threadIdx.x, chunks = THREADS / ncols, col = tid % ncols, ch = tid / ncols;
+    T s = 0;
+    if (ch < chunks) {
+        const int g0 = ch * G / chunks, g1 = (ch + 1) * G / chunks;
+#pragma unroll 8
+        for (int g = g0; g < g1; ++g) s += __ldcg(src + (size_t)g * stride + col);
+    }
+    red[tid] = s;
+    __syncthreads();
+    T total = 0;
+    if (tid < ncols)
+        for (int k = 0; k < chunks; ++k) total += red[k * ncols + tid];
+    __syncthreads();
+    return total;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArgs a) {
+    extern __shared__ float4 smem4[];
+    float* ws = reinterpret_cast<float*>(smem4);  // [2][WS_STRIDE] θ, θ⁻ (if STAGE_WEIGHTS)
+    float* ht = ws + (STAGE_WEIGHTS ? 2 * WS_STRIDE : 0);  // [ROW_TILE][HS] h_t rows of the tile
+    float* hn = ht + ROW_TILE * HS;               // [ROW_TILE][HS] h_tp1 rows
+    float* q = hn + ROW_TILE * HS;                // [3][ROW_TILE][N_OUT] θ(h_t), θ⁻(h_tp1), θ(h_tp1)
+    float* coef = q + 3 * ROW_TILE * N_OUT;       // [ROW_TILE][N_OUT] ∂L/∂V, ∂L/∂A per row
+    float* row_f = coef + ROW_TILE * N_OUT;       // [ROW_TILE][4] reward, done, discount, weight
+    int* row_act = reinterpret_cast<int*>(row_f + 4 * ROW_TILE);  // [ROW_TILE]
+    __shared__ int counts[N_ACTIONS];             // this block's action counts
+    __shared__ double red[THREADS];
+    __shared__ double scratch[33];
+    __shared__ double warp_stats[THREADS / 32][2];
+    __shared__ float shared_scale;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int blk = blockIdx.x, G = gridDim.x, B = a.batch;
+    const size_t BH = (size_t)B * HIDDEN_DIM;
+    const float* h_t = a.in;                                           // [B, H]
+    const float* h_tp1 = a.in + BH;                                    // [B, H]
+    const int* actions = reinterpret_cast<const int*>(a.in + 2 * BH);  // [B]
+    const float* rewards = a.in + 2 * BH + B;  // [4][B] rewards, dones, discounts, weights
+    float* td = a.out;                         // [B]
+    float* prio = a.out + B;                   // [B]
+    float* head = a.out + 2 * B;               // [1 + 4G]
+    const float* theta = a.state;
+    const float* target = a.state + PARAM_STRIDE;
+    const bool entropy_on = a.entropy_slot >= 0;
+    const float kappa = a.kappa, inv_n = 1.0f / (float)N_ACTIONS;
+
+    // ---- Phase 1: rows -------------------------------------------------------------
+    const int row_begin = min(B, blk * a.rows_per_block);
+    const int row_end = min(B, row_begin + a.rows_per_block);
+    const int tiles = max(1, (row_end - row_begin + ROW_TILE - 1) / ROW_TILE);
+    const int sets = a.double_dqn ? 3 : 2;
+
+    vec_t fetch_t[FETCH_PER_THREAD], fetch_n[FETCH_PER_THREAD];  // the next tile, in flight
+    float fetch_f[4];  // thread r < ROW_TILE: reward, done, discount, weight of row r
+    int fetch_act = 0;
+    auto fetch = [&](int row0) {
+        fetch_rows(fetch_t, h_t, row0, row_end);
+        fetch_rows(fetch_n, h_tp1, row0, row_end);
+        if (tid < ROW_TILE) {
+            const int b = row0 + tid;
+            const bool ok = b < row_end;
+            fetch_act = ok ? actions[b] : 0;
+            for (int k = 0; k < 3; ++k) fetch_f[k] = ok ? rewards[k * B + b] : 0.f;
+            fetch_f[3] = ok && a.has_weights ? rewards[3 * B + b] : 1.f;
+        }
+    };
+    fetch(row_begin);
+
+    // This block's slice of the ISV is copied to the proposed ISV.
+    const int isv_slice = (a.isv_size + G - 1) / G;
+    const int isv_begin = min(a.isv_size, blk * isv_slice);
+    const int isv_end = min(a.isv_size, isv_begin + isv_slice);
+    for (int i = isv_begin + tid; i < isv_end; i += THREADS) {
+        a.isv_next[i] = a.isv[i];
+        a.observed_next[i] = a.observed[i];
+    }
+#if STAGE_WEIGHTS
+    for (int base = 0; base < N_PARAMS; base += 8 * THREADS) {
+        float w[16];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int p = base + u * THREADS + tid;
+            w[2 * u] = p < N_PARAMS ? __ldg(theta + p) : 0.f;
+            w[2 * u + 1] = p < N_PARAMS ? __ldg(target + p) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int p = base + u * THREADS + tid;
+            if (p < N_PARAMS) {
+                ws[p] = w[2 * u];
+                ws[WS_STRIDE + p] = w[2 * u + 1];
+            }
+        }
+    }
+    const float* w_online = ws;
+    const float* w_target = ws + WS_STRIDE;
+#else
+    const float* w_online = theta;
+    const float* w_target = target;
+#endif
+    for (int k = tid; k < N_ACTIONS; k += THREADS) counts[k] = 0;
+
+#if GRAD_IN_REGISTERS
+    float acc[PARAMS_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < PARAMS_PER_THREAD; ++k) acc[k] = 0.f;
+#endif
+    float* my_part = a.part_grad + (size_t)blk * PARAM_STRIDE;
+    double loss_w = 0.0, q_w = 0.0;  // lane 0: this warp's rows
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        const int row0 = row_begin + tile * ROW_TILE;
+        const int rows = max(0, min(ROW_TILE, row_end - row0));
+        stash_rows(fetch_t, ht);
+        stash_rows(fetch_n, hn);
+        if (tid < ROW_TILE) {
+            for (int k = 0; k < 4; ++k) row_f[tid * 4 + k] = fetch_f[k];
+            row_act[tid] = fetch_act;
+        }
+        __syncthreads();
+        if (tile + 1 < tiles) fetch(row0 + ROW_TILE);
+
+        // Forward: one (set, output j, row r) dot product per item; r varies fastest so a
+        // warp shares weight rows.
+        for (int item = tid; item < sets * N_OUT * ROW_TILE; item += THREADS) {
+            const int r = item % ROW_TILE, k = item / ROW_TILE;
+            const int s = k / N_OUT, j = k - s * N_OUT;
+            const float* p = (s == 1) ? w_target : w_online;
+            const float* x = (s == 0 ? ht : hn) + r * HS;
+            q[(s * ROW_TILE + r) * N_OUT + j] = dot_row(x, p + j * HIDDEN_DIM) + p[N_WEIGHTS + j];
+        }
+        __syncthreads();
+
+        // Per row, one warp each: target action (ties → lowest index), y, δ, Huber, ∂L/∂(V, A).
+        for (int r = warp; r < ROW_TILE; r += THREADS / 32) {
+            float* cf = coef + r * N_OUT;
+            if (r >= rows) {
+                for (int j = lane; j < N_OUT; j += 32) cf[j] = 0.f;
+                continue;
+            }
+            const float* qo = q + r * N_OUT;
+            const float* qt = q + (ROW_TILE + r) * N_OUT;
+            const float* qs = a.double_dqn ? q + (2 * ROW_TILE + r) * N_OUT : qt;
+            float so = 0.f, st = 0.f, ss = 0.f;
+            for (int k = lane; k < N_ACTIONS; k += 32) {
+                so += qo[1 + k];
+                st += qt[1 + k];
+                ss += qs[1 + k];
+            }
+            const float mean_o = warp_sum(so) / (float)N_ACTIONS;
+            const float mean_t = warp_sum(st) / (float)N_ACTIONS;
+            const float mean_s = warp_sum(ss) / (float)N_ACTIONS;
+            float best_q = __int_as_float(0xff800000);  // −∞
+            int best = lane;
+            for (int k = lane; k < N_ACTIONS; k += 32) {
+                const float v = (qs[0] + qs[1 + k]) - mean_s;
+                if (v > best_q) { best_q = v; best = k; }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(FULL_MASK, best_q, o);
+                const int oi = __shfl_xor_sync(FULL_MASK, best, o);
+                if (ov > best_q || (ov == best_q && oi < best)) { best_q = ov; best = oi; }
+            }
+            const int b = row0 + r, act = row_act[r];
+            const float* f = row_f + 4 * r;
+            const float q_next = (qt[0] + qt[1 + best]) - mean_t;
+            const float y = f[0] + (f[2] * (1.f - f[1])) * q_next;
+            const float q_taken = (qo[0] + qo[1 + act]) - mean_o;
+            const float delta = q_taken - y;
+            const float ad = fabsf(delta);
+            const float g = (f[3] * fminf(fmaxf(delta, -kappa), kappa)) / (float)B;
+            if (lane == 0) {
+                const float huber = ad <= kappa ? (0.5f * delta) * delta : kappa * (ad - 0.5f * kappa);
+                td[b] = delta;
+                prio[b] = ad + a.priority_eps;
+                loss_w += (double)(f[3] * huber);
+                q_w += (double)q_taken;
+                cf[0] = g;
+            }
+            for (int k = lane; k < N_ACTIONS; k += 32) cf[1 + k] = g * ((k == act ? 1.f : 0.f) - inv_n);
+        }
+        __syncthreads();
+
+        if (entropy_on)
+            for (int k = tid; k < N_ACTIONS; k += THREADS)
+                for (int r = 0; r < rows; ++r) counts[k] += (row_act[r] == k);
+        // Partial gradient of this tile: ∂W[j][c] = Σ_r h[r][c]·coef[r][j], ∂b[j] = Σ_r coef[r][j].
+#if GRAD_IN_REGISTERS
+#pragma unroll
+#else
+#pragma unroll 4
+#endif
+        for (int k = 0; k < PARAMS_PER_THREAD; ++k) {
+            const int p = tid + k * THREADS;
+            float s = 0.f;
+            if (p < N_WEIGHTS) {
+                const int j = p / HIDDEN_DIM, c = p - j * HIDDEN_DIM;
+#pragma unroll
+                for (int r = 0; r < ROW_TILE; ++r) s = fmaf(ht[r * HS + c], coef[r * N_OUT + j], s);
+            } else if (p < N_PARAMS) {
+                const int j = p - N_WEIGHTS;
+#pragma unroll
+                for (int r = 0; r < ROW_TILE; ++r) s += coef[r * N_OUT + j];
+            }
+#if GRAD_IN_REGISTERS
+            acc[k] += s;
+#else
+            if (p < N_PARAMS) my_part[p] = tile == 0 ? s : my_part[p] + s;
+#endif
+        }
+        __syncthreads();
+    }
+#if GRAD_IN_REGISTERS
+#pragma unroll
+    for (int k = 0; k < PARAMS_PER_THREAD; ++k)
+        if (tid + k * THREADS < N_PARAMS) my_part[tid + k * THREADS] = acc[k];
+#endif
+    if (entropy_on)
+        for (int k = tid; k < N_ACTIONS; k += THREADS) a.part_counts[blk * N_ACTIONS + k] = counts[k];
+    if (lane == 0) {
+        warp_stats[warp][0] = loss_w;
+        warp_stats[warp][1] = q_w;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double loss = 0.0, qsum = 0.0;
+        for (int w = 0; w < THREADS / 32; ++w) {
+            loss += warp_stats[w][0];
+            qsum += warp_stats[w][1];
+        }
+        head[1 + 2 * G + blk] = (float)loss;
+        head[1 + 3 * G + blk] = (float)qsum;
+    }
+
+    grid_barrier(a.arrivals, a.epoch);
+
+    // ---- Phase 2: this block's parameter slice ------------------------------------
+    const int slice = (N_PARAMS + G - 1) / G;
+    const int p_begin = min(N_PARAMS, blk * slice), p_end = min(N_PARAMS, p_begin + slice);
+    const int p_first = p_begin + tid;
+    const float* m = a.state + 2 * PARAM_STRIDE;
+    const float* v = a.state + 3 * PARAM_STRIDE;
+    float th0 = 0.f, tg0 = 0.f, m0 = 0.f, v0 = 0.f, g0 = 0.f;  // this thread's first parameter
+    if (p_first < p_end) {
+        th0 = theta[p_first];
+        tg0 = target[p_first];
+        m0 = m[p_first];
+        v0 = v[p_first];
+    }
+    double sq = 0.0;
+    for (int base = p_begin; base < p_end; base += THREADS) {
+        const int cols = min(THREADS, p_end - base);
+        const float total = sum_columns(a.part_grad + base, PARAM_STRIDE, cols, G,
+                                        reinterpret_cast<float*>(red));
+        if (tid < cols) {
+            a.grad[base + tid] = total;
+            sq += (double)total * (double)total;
+            if (base == p_begin) g0 = total;
+        }
+    }
+    sq = block_sum(sq, scratch);
+
+    if (blk == 0) {  // batch action entropy → EMA in the proposed ISV
+        double term = 0.0;
+        if (entropy_on) {
+            for (int base = 0; base < N_ACTIONS; base += THREADS) {
+                const int cols = min(THREADS, N_ACTIONS - base);
+                const int c = sum_columns(a.part_counts + base, N_ACTIONS, cols, G,
+                                          reinterpret_cast<int*>(red));
+                if (tid < cols && c > 0) {
+                    const double p = (double)c / (double)B;
+                    term -= p * log(p);
+                }
+            }
+        }
+        const double entropy = block_sum(term, scratch);
+        if (tid == 0) {
+            head[0] = (float)entropy;
+            if (entropy_on) {  // slot copied in phase 1; barrier-ordered before this write
+                const int s = a.entropy_slot;
+                const float h = (float)entropy;
+                a.isv_next[s] = a.observed[s] ? a.ent_keep * a.isv[s] + a.ent_alpha * h : h;
+                a.observed_next[s] = 1;
+            }
+        }
+    }
+
+    float scale = 1.f;
+    if (a.max_norm > 0.0) {  // clipping needs the global norm: one more grid barrier
+        if (tid == 0) a.part_sq[blk] = sq;
+        grid_barrier(a.arrivals, a.epoch + 1);
+        if (tid < 32) {
+            double total = 0.0;
+            for (int g = tid; g < G; g += 32) total += __ldcg(a.part_sq + g);
+            total = warp_sum(total);
+            if (tid == 0) shared_scale = (float)fmin(1.0, a.max_norm / (sqrt(total) + 1e-6));
+        }
+        __syncthreads();
+        scale = shared_scale;
+    }
+
+    float* theta_next = a.next;
+    float* target_next = a.next + PARAM_STRIDE;
+    float* m_next = a.next + 2 * PARAM_STRIDE;
+    float* v_next = a.next + 3 * PARAM_STRIDE;
+    const bool update_target = a.update_target != 0;
+    bool finite = true;
+    for (int p = p_first; p < p_end; p += THREADS) {
+        const bool first = p == p_first;
+        const float g = (first ? g0 : a.grad[p]) * scale;
+        const float th_old = first ? th0 : theta[p], tg_old = first ? tg0 : target[p];
+        float m1 = first ? m0 : m[p], v1 = first ? v0 : v[p], update;
+        if (a.adam) {
+            m1 = a.beta1 * m1 + (1.f - a.beta1) * g;
+            v1 = a.beta2 * v1 + ((1.f - a.beta2) * g) * g;
+            update = (a.step_size * m1) / (sqrtf(v1) / a.sqrt_bc2 + a.adam_eps);
+        } else {
+            update = a.lr * g;
+        }
+        const float th = th_old - update;
+        const float tg = update_target ? tg_old + a.tau * (th - tg_old) : tg_old;
+        theta_next[p] = th;
+        target_next[p] = tg;
+        m_next[p] = m1;
+        v_next[p] = v1;
+        finite = finite && isfinite(g) && isfinite(th) && isfinite(tg) && isfinite(m1) && isfinite(v1);
+    }
+    finite = __syncthreads_and(finite);
+    if (tid == 0) {
+        head[1 + blk] = finite ? 1.f : 0.f;
+        head[1 + G + blk] = (float)sqrt(sq);
+    }
+}
+
+// Q-values of Act: q[r][a] = V + A[a] − mean A under one parameter set, rows in tiles.
+extern "C" __global__ void __launch_bounds__(THREADS)
+q_values(const float* __restrict__ params, const float* __restrict__ h, float* __restrict__ q,
+         int rows) {
+    extern __shared__ float4 smem4[];
+    float* xs = reinterpret_cast<float*>(smem4);  // [ROW_TILE][HS]
+    float* va = xs + ROW_TILE * HS;               // [ROW_TILE][N_OUT] V, A
+    float* mean = va + ROW_TILE * N_OUT;          // [ROW_TILE]
+    const int row0 = blockIdx.x * ROW_TILE;
+    vec_t regs[FETCH_PER_THREAD];
+    fetch_rows(regs, h, row0, rows);
+    stash_rows(regs, xs);
+    __syncthreads();
+    for (int item = threadIdx.x; item < N_OUT * ROW_TILE; item += THREADS) {
+        const int r = item % ROW_TILE, j = item / ROW_TILE;
+        va[r * N_OUT + j] = dot_row(xs + r * HS, params + j * HIDDEN_DIM) + params[N_WEIGHTS + j];
+    }
+    __syncthreads();
+    if (threadIdx.x < ROW_TILE) mean[threadIdx.x] = mean_advantage(va + threadIdx.x * N_OUT);
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROW_TILE * N_ACTIONS; i += THREADS) {
+        const int r = i / N_ACTIONS, k = i - r * N_ACTIONS;
+        if (row0 + r < rows)
+            q[(size_t)(row0 + r) * N_ACTIONS + k] = (va[r * N_OUT] + va[r * N_OUT + 1 + k]) - mean[r];
+    }
+}

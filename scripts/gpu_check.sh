@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# gpu_check.sh — the one command for a GPU machine: the `gpu` tests, then the device
+# benchmark, then a short summary table.
+#
+#   scripts/gpu_check.sh [pytest paths/args…]     (default: tests, with -m gpu)
+#
+# duelq need not be installed: without it, a folder of links (duelq/server, duelq/client,
+# duelq/kernels) goes on PYTHONPATH. Logs and the benchmark JSON go to $OUT when set.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+LOGS=${OUT:-$(mktemp -d)}
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c 'import duelq.server, duelq.kernels' 2>/dev/null; then
+    SHIM=$(mktemp -d)
+    mkdir -p "$SHIM/duelq"
+    for pkg in server client kernels; do ln -s "$ROOT/$pkg" "$SHIM/duelq/$pkg"; done
+    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+cd "$ROOT"
+
+"$PY" -m pytest -m gpu -p no:cacheprovider "${@:-tests}" 2>&1 | tee "$LOGS/gpu_tests.log"
+TESTS_RC=${PIPESTATUS[0]}
+timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/device_step.py 2>&1 | tee "$LOGS/device_step.log"
+BENCH_RC=${PIPESTATUS[0]}
+
+echo
+echo "=============================== gpu-check summary ==============================="
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/device: /'
+echo "gpu tests (exit $TESTS_RC): $(tail -n 1 "$LOGS/gpu_tests.log")"
+sed -n '/^## duelq device benchmark/,$p' "$LOGS/device_step.log"
+echo "benchmark exit $BENCH_RC"
+exit $(( TESTS_RC != 0 || BENCH_RC != 0 ))

@@ -1,0 +1,315 @@
+"""CUDA backend: the whole learner state on one GPU, one cooperative kernel per step.
+
+Kernels come from ``kernels/*.cu`` and are compiled at start-up by CuPy (NVRTC) with
+the configuration's sizes as defines.  The mutable state (θ, θ⁻, Adam moments, ISV and
+its observed flags) lives twice on the device: :meth:`CudaBackend.propose` writes the
+pending copy from the current one, :meth:`CudaBackend.commit` swaps an index.
+
+Per step the host does one H2D copy of a packed pinned input buffer, one cooperative
+launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
+``kernels/learner_step.cu``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+from cupy_backends.cuda.api import driver
+
+from ..kernels import source
+from .backend import Backend, StepOutputs
+from .batch import Batch
+from .config import LearnerConfig
+from .state import LearnerState, Params
+
+THREADS = 256             # threads per block of learner_step and q_values
+ENT_THREADS = 1024        # threads of the single action_entropy block
+STATIC_SMEM_SLACK = 4096  # bytes of static shared memory besides the per-action counts
+
+
+def kernel_source(name: str) -> str:
+    """Text of ``kernels/<name>`` with its ``#include "x.cuh"`` lines inlined.
+
+    Inlining keeps the whole program in the text CuPy hashes for its kernel cache.
+    """
+    return re.sub(r'^#include "([\w.]+)"$', lambda m: source(m.group(1)),
+                  source(name), flags=re.MULTILINE)
+
+
+def pack_params(p: Params, stride: int) -> np.ndarray:
+    """Params → the device layout [stride] float32: weights [N+1][H], biases [N+1]."""
+    H, N = p.W_a.shape
+    flat = np.zeros(stride, np.float32)
+    weights = flat[:(N + 1) * H].reshape(N + 1, H)
+    weights[0] = p.w_v
+    weights[1:] = p.W_a.T
+    flat[(N + 1) * H:(N + 1) * (H + 1)] = np.concatenate([p.b_v, p.b_a])
+    return flat
+
+
+def unpack_params(flat: np.ndarray, hidden_dim: int, n_actions: int) -> Params:
+    """Inverse of :func:`pack_params` (copies)."""
+    H, N = hidden_dim, n_actions
+    weights = flat[:(N + 1) * H].reshape(N + 1, H)
+    biases = flat[(N + 1) * H:(N + 1) * (H + 1)]
+    return Params(w_v=weights[0].copy(), b_v=biases[:1].copy(),
+                  W_a=np.ascontiguousarray(weights[1:].T), b_a=biases[1:].copy())
+
+
+class StepArgs(ctypes.Structure):
+    """Mirror of ``struct StepArgs`` in kernels/learner_step.cu, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "state", "next", "isv", "isv_next", "observed", "observed_next", "inputs", "out",
+        "part_grad", "part_sq", "part_counts", "grad", "arrivals")] + [
+        ("max_norm", ctypes.c_double),
+        ("epoch", ctypes.c_uint),
+    ] + [(name, ctypes.c_int) for name in (
+        "batch", "rows_per_block", "has_weights", "double_dqn", "adam", "update_target",
+        "isv_size", "entropy_slot")] + [(name, ctypes.c_float) for name in (
+        "kappa", "priority_eps", "lr", "beta1", "beta2", "adam_eps", "step_size", "sqrt_bc2",
+        "tau", "ent_alpha", "ent_keep")]
+
+
+@dataclass
+class _Slot:
+    """One copy of the mutable state on the device."""
+
+    params: cp.ndarray    # [4, stride] float32: θ, θ⁻, Adam m, Adam v
+    isv: cp.ndarray       # [S] float32
+    observed: cp.ndarray  # [S] int32, 0/1
+
+
+class _Staging:
+    """A pinned host buffer and its device twin, grown to powers of two on demand."""
+
+    def __init__(self):
+        self.host = np.empty(0, np.float32)
+        self.device = cp.empty(0, np.float32)
+
+    def reserve(self, words: int) -> np.ndarray:
+        """The first ``words`` floats of the host buffer."""
+        if words > self.host.size:
+            size = 1 << max(10, (words - 1).bit_length())
+            self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), np.float32, size)
+            self.device = cp.empty(size, np.float32)
+        return self.host[:words]
+
+    def upload(self, words: int, stream: cp.cuda.Stream) -> None:
+        cp.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, 4 * words,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+    def download(self, words: int, stream: cp.cuda.Stream) -> None:
+        cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.device.data.ptr, 4 * words,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+
+
+class CudaBackend(Backend):
+    """Learner state resident on the current CUDA device; kernels compiled for the config."""
+
+    name = "cuda"
+
+    def __init__(self, config: LearnerConfig, state: LearnerState, *,
+                 row_tile: int | None = None):
+        super().__init__(config, state)
+        N, S = config.n_actions, config.isv_size
+        rt, dev = cp.cuda.runtime, cp.cuda.Device().id
+        name = rt.getDeviceProperties(dev)["name"]
+        self.device = name.decode() if isinstance(name, bytes) else name
+        # One resident block per SM always fits: the cooperative launch's grid limit.
+        self.max_blocks = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
+        self._compile(row_tile, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self._slots = [_Slot(cp.zeros((4, self.stride), np.float32),
+                                 cp.zeros(S, np.float32), cp.zeros(S, np.int32))
+                           for _ in range(2)]
+            G, P = self.max_blocks, self.stride
+            self._part_grad = cp.zeros((G, P), np.float32)   # per-block gradient partials
+            self._part_sq = cp.zeros(G, np.float64)          # per-block ‖g‖² (clipping)
+            self._part_counts = cp.zeros((G, N), np.int32)   # per-block action counts
+            self._grad = cp.zeros(P, np.float32)             # reduced gradient
+            self._arrivals = cp.zeros(G, np.uint32)          # grid-barrier flags
+            self._act_out = cp.empty(0, np.float32)          # Act's Q-values [B*N]
+            self._ent_out = cp.zeros(2, np.float32)          # entropy, EMA
+        self._epoch = 1
+        self._inputs, self._outputs = _Staging(), _Staging()
+        self._cur = 0
+        self._pending = False
+        self._step = 0
+        self._entropy_slot = (config.isv_slots[config.step_entropy_slot]
+                              if config.step_entropy_slot else -1)
+        self.load(state)
+
+    def _compile(self, row_tile: int | None, max_smem: int) -> None:
+        """Compile the kernels (the kernel's default row tile unless given), halving the
+        row tile until its shared memory fits."""
+        H, N = self.config.hidden_dim, self.config.n_actions
+        sizes = (f"-DHIDDEN_DIM={H}", f"-DN_ACTIONS={N}")
+        while True:
+            tile = () if row_tile is None else (f"-DROW_TILE={row_tile}",)
+            module = cp.RawModule(code=kernel_source("learner_step.cu"), options=sizes + tile)
+            layout = cp.ndarray(5, np.uint32, module.get_global("learner_layout")).get()
+            n_params, self.stride, self._step_smem, self._qv_smem, row_tile = map(int, layout)
+            if self._step_smem + 4 * N + STATIC_SMEM_SLACK <= max_smem or row_tile == 1:
+                break
+            row_tile //= 2
+        assert n_params == (N + 1) * (H + 1), "kernel and host disagree on the layout"
+        self.row_tile = row_tile
+        self._step_fn = module.get_function("learner_step")
+        self._qv_fn = module.get_function("q_values")
+        self._ent_fn = cp.RawModule(code=kernel_source("action_entropy.cu"),
+                                    options=sizes).get_function("action_entropy")
+        self._ent_smem = 4 * (ENT_THREADS // 32) * N
+        for fn, smem in ((self._step_fn, self._step_smem), (self._qv_fn, self._qv_smem),
+                         (self._ent_fn, self._ent_smem)):
+            if smem > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = smem
+
+    # ---- state ------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def load(self, state: LearnerState) -> None:
+        slot = self._slots[self._cur]
+        groups = (state.params, state.target, state.adam_m, state.adam_v)
+        host = np.stack([pack_params(g.astype(np.float32), self.stride) for g in groups])
+        with self.stream:
+            slot.params.set(host, stream=self.stream)
+            slot.isv.set(state.isv.astype(np.float32), stream=self.stream)
+            slot.observed.set(state.isv_observed.astype(np.int32), stream=self.stream)
+        self.stream.synchronize()
+        self._step, self._pending = state.step, False
+
+    def snapshot(self) -> LearnerState:
+        slot = self._slots[self._cur]
+        with self.stream:
+            params = slot.params.get(stream=self.stream)
+            isv = slot.isv.get(stream=self.stream)
+            observed = slot.observed.get(stream=self.stream)
+        H, N = self.config.hidden_dim, self.config.n_actions
+        theta, target, m, v = (unpack_params(row, H, N) for row in params)
+        return LearnerState(params=theta, target=target, adam_m=m, adam_v=v, step=self._step,
+                            isv=isv, isv_observed=observed.astype(bool))
+
+    def weights(self, target: bool = False) -> Params:
+        with self.stream:
+            row = self._slots[self._cur].params[1 if target else 0].get(stream=self.stream)
+        return unpack_params(row, self.config.hidden_dim, self.config.n_actions)
+
+    def read_isv(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slot = self._slots[self._cur]
+        with self.stream:
+            isv = slot.isv.get(stream=self.stream)
+            observed = slot.observed.get(stream=self.stream)
+        return isv[indices], observed[indices].astype(bool)
+
+    # ---- Act ----------------------------------------------------------------------
+    def q_values(self, h: np.ndarray, target: bool = False) -> np.ndarray:
+        B, N = h.shape[0], self.config.n_actions
+        with self.stream:
+            if self._act_out.size < B * N:
+                self._act_out = cp.empty(B * N, np.float32)
+            h_dev = cp.asarray(np.ascontiguousarray(h, np.float32))
+            params = self._slots[self._cur].params[1 if target else 0]
+            self._qv_fn(((B + self.row_tile - 1) // self.row_tile,), (THREADS,),
+                        (params, h_dev, self._act_out, np.int32(B)), shared_mem=self._qv_smem)
+            return self._act_out[:B * N].get(stream=self.stream).reshape(B, N)
+
+    # ---- a learner step ----------------------------------------------------------
+    def grid(self, batch_size: int) -> tuple[int, int]:
+        """(blocks G, rows per block R) of the step kernel for ``batch_size`` rows."""
+        blocks = min(-(-batch_size // self.row_tile), self.max_blocks)
+        return blocks, -(-batch_size // blocks)
+
+    def stage(self, batch: Batch) -> None:
+        """Pack ``batch`` into the pinned input buffer and start its H2D copy."""
+        B, H = batch.size, self.config.hidden_dim
+        BH = B * H
+        words = 2 * BH + (5 if batch.weights is not None else 4) * B
+        host = self._inputs.reserve(words)
+        host[:BH] = batch.h_t.reshape(-1)
+        host[BH:2 * BH] = batch.h_tp1.reshape(-1)
+        host[2 * BH:2 * BH + B].view(np.int32)[:] = batch.actions
+        for i, column in enumerate((batch.rewards, batch.dones, batch.discounts, batch.weights)):
+            if column is not None:
+                host[2 * BH + (i + 1) * B:2 * BH + (i + 2) * B] = column
+        self._inputs.upload(words, self.stream)
+
+    def launch(self, batch_size: int, has_weights: bool) -> None:
+        """Enqueue the step kernel on the staged inputs (no copies, no sync)."""
+        c = self.config
+        t = self._step + 1
+        G, R = self.grid(batch_size)
+        cur, nxt = self._slots[self._cur], self._slots[1 - self._cur]
+        args = StepArgs(
+            state=cur.params.data.ptr, next=nxt.params.data.ptr,
+            isv=cur.isv.data.ptr, isv_next=nxt.isv.data.ptr,
+            observed=cur.observed.data.ptr, observed_next=nxt.observed.data.ptr,
+            inputs=self._inputs.device.data.ptr, out=self._outputs.device.data.ptr,
+            part_grad=self._part_grad.data.ptr, part_sq=self._part_sq.data.ptr,
+            part_counts=self._part_counts.data.ptr, grad=self._grad.data.ptr,
+            arrivals=self._arrivals.data.ptr,
+            max_norm=c.max_grad_norm, epoch=self._epoch,
+            batch=batch_size, rows_per_block=R, has_weights=has_weights,
+            double_dqn=c.double_dqn, adam=c.optimizer == "adam",
+            update_target=t % c.target_update_period == 0,
+            isv_size=c.isv_size, entropy_slot=self._entropy_slot,
+            kappa=c.huber_kappa, priority_eps=c.priority_eps, lr=c.lr,
+            beta1=c.beta1, beta2=c.beta2, adam_eps=c.adam_eps,
+            step_size=np.float32(c.lr / (1 - c.beta1 ** t)),
+            sqrt_bc2=np.float32(np.sqrt(1 - c.beta2 ** t)),
+            tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
+        self._epoch = (self._epoch + 2) & 0xFFFFFFFF  # two barriers per launch
+        kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        driver.launchCooperativeKernel(self._step_fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
+                                       self._step_smem, self.stream.ptr,
+                                       ctypes.addressof(kernel_params))
+
+    def propose(self, batch: Batch) -> StepOutputs:
+        B = batch.size
+        G, _ = self.grid(B)
+        words = 2 * B + 1 + 4 * G
+        self._outputs.reserve(words)
+        self.stage(batch)
+        self.launch(B, batch.weights is not None)
+        self._outputs.download(words, self.stream)
+        self.stream.synchronize()
+        out = self._outputs.host
+        # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums.
+        finite, norms, losses, q_sums = out[2 * B + 1:words].astype(np.float64).reshape(4, G)
+        self._pending = True
+        return StepOutputs(
+            loss=float(losses.sum() / B), td_errors=out[:B].copy(),
+            priorities=out[B:2 * B].copy(), q_taken_mean=float(q_sums.sum() / B),
+            grad_norm=float(np.sqrt(np.square(norms).sum())),
+            finite=bool(np.all(finite == 1.0)),
+            entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None)
+
+    def commit(self) -> None:
+        assert self._pending, "commit without a pending step"
+        self._cur, self._pending = 1 - self._cur, False
+        self._step += 1
+
+    def discard(self) -> None:
+        self._pending = False
+
+    # ---- ComputeEntropy -------------------------------------------------------------
+    def entropy(self, actions: np.ndarray, slot: int, alpha: float) -> tuple[float, float]:
+        with self.stream:
+            self.launch_entropy(cp.asarray(np.ascontiguousarray(actions, np.int32)), slot, alpha)
+            entropy, ema = self._ent_out.get(stream=self.stream)
+        return float(entropy), float(ema)
+
+    def launch_entropy(self, actions: cp.ndarray, slot: int, alpha: float) -> None:
+        """Enqueue the entropy kernel on device-resident ``actions`` [M] int32 (no sync)."""
+        cur = self._slots[self._cur]
+        self._ent_fn((1,), (ENT_THREADS,),
+                     (actions, np.int32(actions.shape[0]), cur.isv, cur.observed, np.int32(slot),
+                      np.float32(alpha), np.float32(1.0 - alpha), self._ent_out),
+                     shared_mem=self._ent_smem, stream=self.stream)

@@ -1,0 +1,439 @@
+"""GPU tests of the CUDA backend: float64 NumPy reference and PyTorch autograd as oracles.
+
+Every buffer a call writes is NaN-poisoned first, so an unwritten element fails.
+Batches are random; rows whose target action is ambiguous at float32 precision (top-two
+gap of the selecting Q-values < 1e-4 under the oracle's state) are redrawn, because there
+float32 and float64 may legitimately pick different actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+from duelq.server import reference
+from duelq.server.batch import Batch
+from duelq.server.config import LearnerConfig
+from duelq.server.errors import NonFiniteStep
+from duelq.server.learner import Learner, cuda_usable
+from duelq.server.state import LearnerState, Params
+
+USABLE, WHY = cuda_usable()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
+
+SLOT = "action_entropy_ema"
+GROUPS = ("params", "target", "adam_m", "adam_v")
+
+
+def cuda_backend(config: LearnerConfig, state: LearnerState | None = None):
+    from duelq.server.cuda import CudaBackend
+    return CudaBackend(config, state if state is not None else LearnerState.initial(config))
+
+
+def poison(backend, batch_size: int = 0) -> None:
+    """NaN-fill (−7 for ints) every buffer that a step, Act or entropy call writes."""
+    import cupy as cp
+    backend._outputs.reserve(2 * batch_size + 1 + 4 * backend.max_blocks)
+    with backend.stream:
+        pending = backend._slots[1 - backend._cur]
+        for a in (pending.params, pending.isv, backend._outputs.device, backend._grad,
+                  backend._part_grad, backend._part_sq, backend._ent_out):
+            a.fill(np.nan)
+        for a in (pending.observed, backend._part_counts):
+            a.fill(-7)
+        backend._act_out = cp.full(batch_size * backend.config.n_actions, np.nan, np.float32)
+    backend._outputs.host.fill(np.nan)
+    backend.stream.synchronize()
+
+
+# ---- random inputs ----------------------------------------------------------------------
+def random_state(config: LearnerConfig, rng: np.random.Generator, step: int) -> LearnerState:
+    """θ from the config's init, θ⁻ ≠ θ, Adam moments ≠ 0, half the ISV slots observed."""
+    init = LearnerState.initial(config)
+
+    def noisy(p: Params, scale: float, positive: bool = False) -> Params:
+        draw = (lambda a: rng.random(a.shape)) if positive else (lambda a: rng.standard_normal(a.shape))
+        return p.map(lambda a: (a + scale * draw(a)).astype(np.float32))
+
+    adam = config.optimizer == "adam"
+    zeros = Params.zeros(config.hidden_dim, config.n_actions)
+    return LearnerState(
+        params=init.params, target=noisy(init.params, 0.05),
+        adam_m=noisy(zeros, 1e-3) if adam else zeros,
+        adam_v=noisy(zeros, 1e-5, positive=True) if adam else zeros.copy(),
+        step=step, isv=rng.standard_normal(config.isv_size).astype(np.float32),
+        isv_observed=rng.random(config.isv_size) < 0.5)
+
+
+def random_batch(rng, B: int, config: LearnerConfig, state: LearnerState,
+                 weights: bool) -> Batch:
+    """Random batch; rows with an ambiguous target action are redrawn (see module doc)."""
+    H, N = config.hidden_dim, config.n_actions
+    selector = (state.params if config.double_dqn else state.target).astype(np.float64)
+    h_tp1 = rng.standard_normal((B, H)).astype(np.float32)
+    while True:
+        q = np.sort(reference.q_values(selector, h_tp1.astype(np.float64)), axis=1)
+        bad = q[:, -1] - q[:, -2] < 1e-4
+        if not bad.any():
+            break
+        h_tp1[bad] = rng.standard_normal((int(bad.sum()), H)).astype(np.float32)
+    return Batch(
+        h_t=rng.standard_normal((B, H)).astype(np.float32), h_tp1=h_tp1,
+        actions=rng.integers(0, N, B).astype(np.int32),
+        rewards=rng.standard_normal(B).astype(np.float32),
+        dones=(rng.random(B) < 0.2).astype(np.float32),
+        discounts=rng.uniform(0.5, 1.0, B).astype(np.float32),
+        weights=rng.uniform(0.0, 2.0, B).astype(np.float32) if weights else None)
+
+
+# ---- comparisons ------------------------------------------------------------------------
+def assert_close(name: str, got, ref, rtol: float, atol_scale: float) -> None:
+    """|got − ref| ≤ rtol·|ref| + atol_scale·max|ref| elementwise; NaN never passes."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape} != {ref.shape}"
+    assert np.isfinite(got).all(), f"{name}: non-finite element (unwritten?) at " \
+                                   f"{np.argwhere(~np.isfinite(got))[:3].tolist()}"
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    err = np.abs(got - ref)
+    bad = err > rtol * np.abs(ref) + atol_scale * scale
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err, -1)), err.shape)
+        pytest.fail(f"{name}: {int(bad.sum())}/{bad.size} elements off; worst at {list(i)}: "
+                    f"got {got[i]!r}, ref {ref[i]!r} (max|ref| {scale:g})")
+
+
+def assert_scalar(name: str, got: float, ref: float, rtol: float = 1e-4, atol: float = 1e-6):
+    assert math.isfinite(got) and abs(got - ref) <= rtol * abs(ref) + atol, \
+        f"{name}: got {got!r}, ref {ref!r}"
+
+
+def assert_outputs(got, ref) -> None:
+    assert got.finite and ref.finite
+    assert_scalar("loss", got.loss, ref.loss)
+    assert_scalar("q_taken_mean", got.q_taken_mean, ref.q_taken_mean, atol=1e-5)
+    assert_scalar("grad_norm", got.grad_norm, ref.grad_norm)
+    assert_close("td_errors", got.td_errors, ref.td_errors, 1e-4, 1e-5)
+    assert_close("priorities", got.priorities, ref.priorities, 1e-4, 1e-5)
+    if ref.entropy is None:
+        assert got.entropy is None
+    else:
+        assert_scalar("entropy", got.entropy, ref.entropy, rtol=0, atol=2e-6)
+
+
+def assert_state(backend, ref: LearnerState, start: LearnerState) -> None:
+    """Every tensor of the committed state, and θ, θ⁻ moves since ``start``."""
+    got = backend.snapshot()
+    assert got.step == ref.step
+    for group in GROUPS:
+        for name, g, r in zip(("w_v", "b_v", "W_a", "b_a"), getattr(got, group).arrays(),
+                              getattr(ref, group).arrays()):
+            assert_close(f"{group}.{name}", g, r, 2e-4, 1e-4)
+    for group in ("params", "target"):
+        for name, g, r, s in zip(("w_v", "b_v", "W_a", "b_a"), getattr(got, group).arrays(),
+                                 getattr(ref, group).arrays(), getattr(start, group).arrays()):
+            assert_close(f"Δ{group}.{name}", g - s.astype(np.float64), r - s, 1e-3, 1e-3)
+    assert_close("isv", got.isv, ref.isv, 1e-5, 1e-6)
+    raw_observed = backend._slots[backend._cur].observed.get()
+    assert set(np.unique(raw_observed)) <= {0, 1}, "observed flags not all written"
+    np.testing.assert_array_equal(got.isv_observed, ref.isv_observed)
+
+
+# ---- the step against the float64 reference ----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int
+    H: int
+    N: int
+    optimizer: str
+    double_dqn: bool
+    weights: bool
+    clip: float        # max_grad_norm as a multiple of the first step's gradient norm; 0 = off
+    period: int = 1    # target_update_period
+    entropy: bool = False
+    start_step: int = 0
+
+    def __str__(self):
+        return (f"B{self.B}-H{self.H}-N{self.N}-{self.optimizer}-"
+                f"{'double' if self.double_dqn else 'plain'}-{'w' if self.weights else 'now'}-"
+                f"clip{self.clip}-K{self.period}{'-ent' if self.entropy else ''}")
+
+
+CASES = [
+    Case(1, 64, 2, "adam", False, True, 0.5),
+    Case(31, 128, 11, "sgd", True, False, 2.0, entropy=True, start_step=4),
+    Case(1024, 256, 18, "adam", True, True, 0.5, period=3, start_step=5),
+    Case(1024, 64, 11, "sgd", False, True, 0.0, entropy=True),
+    Case(16384, 128, 11, "adam", False, True, 0.5, entropy=True, start_step=9),
+    Case(16384, 64, 18, "sgd", True, False, 2.0, period=2, start_step=1),
+    Case(31, 256, 2, "adam", True, False, 0.5, period=4),
+    Case(1, 128, 18, "sgd", True, True, 0.5, entropy=True),
+    Case(31, 100, 7, "adam", False, True, 0.5),  # H not a multiple of 4: scalar loads
+]
+FIFTY = [CASES[i] for i in (0, 1, 2, 3, 5, 6)]
+
+
+def run_against_reference(case: Case, steps: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    config = LearnerConfig(
+        hidden_dim=case.H, n_actions=case.N, optimizer=case.optimizer,
+        lr=1e-3 if case.optimizer == "adam" else 5e-2, double_dqn=case.double_dqn,
+        target_update_period=case.period, tau=1.0 if case.period == 4 else 0.05,
+        step_entropy_slot=SLOT if case.entropy else "", step_entropy_alpha=0.3)
+    start = random_state(config, rng, case.start_step)
+    batch = random_batch(rng, case.B, config, start, case.weights)
+    if case.clip:
+        _, first = reference.train_step(start, batch, config, np.float64)
+        config = dataclasses.replace(config, max_grad_norm=case.clip * first.grad_norm)
+    backend = cuda_backend(config, start)
+    ref = start
+    for k in range(steps):
+        if k:
+            batch = random_batch(rng, case.B, config, ref, case.weights)
+        poison(backend, case.B)
+        got = backend.propose(batch)
+        ref, ref_out = reference.train_step(ref, batch, config, np.float64)
+        assert_outputs(got, ref_out)
+        backend.commit()
+    assert_state(backend, ref, start)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_one_step_matches_float64_reference(case):
+    run_against_reference(case, steps=1, seed=zlib.crc32(str(case).encode()))
+
+
+@pytest.mark.parametrize("case", FIFTY, ids=str)
+def test_fifty_steps_match_float64_reference(case):
+    run_against_reference(case, steps=50, seed=zlib.crc32(str(case).encode()) + 1)
+
+
+def test_pytorch_autograd_agrees():
+    """Three steps from the initial state: CUDA vs torch autograd + torch.optim (float64)."""
+    torch = pytest.importorskip("torch")
+    for case in (Case(1024, 128, 11, "adam", True, True, 0.5), Case(31, 64, 2, "sgd", False, False, 0.5)):
+        rng = np.random.default_rng(7)
+        config = LearnerConfig(hidden_dim=case.H, n_actions=case.N, optimizer=case.optimizer,
+                               lr=1e-2, double_dqn=case.double_dqn, max_grad_norm=0.05, tau=0.1)
+        start = LearnerState.initial(config)
+        batches = [random_batch(rng, case.B, config, start, case.weights) for _ in range(3)]
+        want, want_out = torch_trajectory(torch, start, batches, config)
+        ref = start
+        for batch, out in zip(batches, want_out):  # the two oracles agree with each other
+            ref, ref_out = reference.train_step(ref, batch, config, np.float64)
+            assert_close("torch vs numpy td", out["td"], ref_out.td_errors, 1e-7, 1e-9)  # f32 out
+        for group in GROUPS:
+            for g, r in zip(getattr(want, group).arrays(), getattr(ref, group).arrays()):
+                assert_close(f"torch vs numpy {group}", g, r, 1e-9, 1e-12)
+        backend = cuda_backend(config, start)
+        for batch, out in zip(batches, want_out):
+            poison(backend, case.B)
+            got = backend.propose(batch)
+            backend.commit()
+            assert_scalar("loss", got.loss, out["loss"])
+            assert_scalar("grad_norm", got.grad_norm, out["grad_norm"])
+            assert_close("td_errors", got.td_errors, out["td"], 1e-4, 1e-5)
+        assert_state(backend, dataclasses.replace(want, isv=start.isv,
+                                                  isv_observed=start.isv_observed), start)
+
+
+def torch_trajectory(torch, state: LearnerState, batches, config: LearnerConfig):
+    """The same steps written with autograd, torch.optim and clip_grad_norm_, in float64."""
+    f64 = torch.float64
+    theta = [torch.tensor(a, dtype=f64, requires_grad=True) for a in state.params.arrays()]
+    target = [torch.tensor(a, dtype=f64) for a in state.target.arrays()]
+    opt = (torch.optim.Adam(theta, lr=config.lr, betas=(config.beta1, config.beta2),
+                            eps=config.adam_eps)
+           if config.optimizer == "adam" else torch.optim.SGD(theta, lr=config.lr))
+
+    def q(p, h):  # [B, H] → [B, N]
+        V, A = h @ p[0] + p[1], h @ p[2] + p[3]
+        return V[:, None] + A - A.mean(dim=1, keepdim=True)
+
+    outputs = []
+    for t, b in enumerate(batches, start=state.step + 1):
+        ht, hn = torch.tensor(b.h_t, dtype=f64), torch.tensor(b.h_tp1, dtype=f64)
+        r, d, g = (torch.tensor(x, dtype=f64) for x in (b.rewards, b.dones, b.discounts))
+        w = torch.tensor(b.weights, dtype=f64) if b.weights is not None else torch.ones_like(r)
+        act = torch.tensor(b.actions, dtype=torch.int64)
+        with torch.no_grad():
+            q_target = q(target, hn)
+            a_star = (q(theta, hn) if config.double_dqn else q_target).argmax(dim=1)
+            y = r + g * (1 - d) * q_target.gather(1, a_star[:, None])[:, 0]
+        q_taken = q(theta, ht).gather(1, act[:, None])[:, 0]
+        loss = (w * torch.nn.functional.huber_loss(q_taken, y, reduction="none",
+                                                   delta=config.huber_kappa)).sum() / len(r)
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(theta, config.max_grad_norm)
+        opt.step()
+        if t % config.target_update_period == 0:
+            with torch.no_grad():
+                for p_t, p in zip(target, theta):
+                    p_t.add_(config.tau * (p - p_t))
+        outputs.append({"loss": loss.item(), "td": (q_taken - y).detach().numpy(),
+                        "grad_norm": float(norm)})
+
+    def params(tensors):
+        return Params(*(x.detach().numpy().copy() for x in tensors))
+
+    zeros = Params.zeros(config.hidden_dim, config.n_actions, np.float64)
+    moments = ((params(opt.state[p]["exp_avg"] for p in theta),
+                params(opt.state[p]["exp_avg_sq"] for p in theta))
+               if config.optimizer == "adam" else (zeros, zeros))
+    final = LearnerState(params=params(theta), target=params(target), adam_m=moments[0],
+                         adam_v=moments[1], step=state.step + len(batches),
+                         isv=state.isv, isv_observed=state.isv_observed)
+    return final, outputs
+
+
+# ---- determinism, refusal, plumbing ------------------------------------------------------
+def test_bit_identical_across_runs():
+    config = LearnerConfig(hidden_dim=128, n_actions=11, double_dqn=True, max_grad_norm=0.1,
+                           step_entropy_slot=SLOT)
+    rng = np.random.default_rng(3)
+    start = random_state(config, rng, 0)
+    batches = [random_batch(rng, 16384, config, start, True) for _ in range(3)]
+    runs = []
+    for _ in range(2):
+        backend = cuda_backend(config, start)
+        outs = []
+        for batch in batches:
+            first = backend.propose(batch)
+            backend.discard()
+            again = backend.propose(batch)
+            assert first.td_errors.tobytes() == again.td_errors.tobytes()
+            assert (first.loss, first.grad_norm) == (again.loss, again.grad_norm)
+            backend.commit()
+            outs.append((again.loss, again.grad_norm, again.entropy, again.td_errors.tobytes()))
+        runs.append((backend.snapshot().checksum(), outs))
+    assert runs[0] == runs[1]
+
+
+def test_non_finite_step_is_refused_and_state_unchanged():
+    config = LearnerConfig(hidden_dim=64, n_actions=11)
+    rng = np.random.default_rng(5)
+    state = random_state(config, rng, 2)
+    sane = random_batch(rng, 31, config, state, True)
+    huge = dataclasses.replace(sane, weights=np.full(31, 3e38, np.float32))  # g² overflows
+    _, f32 = reference.train_step(state, huge, config, np.float32)
+    assert not f32.finite  # the float32 reference refuses it too
+    learner = Learner(config, backend=cuda_backend(config, state))
+    before = learner.snapshot().checksum()
+    with pytest.raises(NonFiniteStep):
+        learner.step(huge)
+    assert learner.snapshot().checksum() == before and learner.step_count == 2
+    assert learner.step(sane).step == 3
+
+
+def test_discard_leaves_state_and_commit_advances():
+    config = LearnerConfig(hidden_dim=64, n_actions=2)
+    rng = np.random.default_rng(6)
+    state = random_state(config, rng, 3)
+    backend = cuda_backend(config, state)
+    backend.propose(random_batch(rng, 31, config, state, False))
+    backend.discard()
+    assert backend.snapshot().checksum() == state.checksum() and backend.step == 3
+    backend.propose(random_batch(rng, 31, config, state, False))
+    backend.commit()
+    assert backend.step == 4 and backend.snapshot().checksum() != state.checksum()
+
+
+def test_load_snapshot_and_weights_round_trip():
+    config = LearnerConfig(hidden_dim=100, n_actions=7)  # H not a multiple of 4
+    state = random_state(config, np.random.default_rng(8), 12)
+    backend = cuda_backend(config, state)
+    assert backend.snapshot().checksum() == state.checksum()
+    for target, want in ((False, state.params), (True, state.target)):
+        for g, w in zip(backend.weights(target).arrays(), want.arrays()):
+            np.testing.assert_array_equal(g, w)
+    values, observed = backend.read_isv(np.array([0, 583, 1023]))
+    np.testing.assert_array_equal(values, state.isv[[0, 583, 1023]])
+    np.testing.assert_array_equal(observed, state.isv_observed[[0, 583, 1023]])
+
+
+@pytest.mark.parametrize("B,H,N", [(1, 64, 2), (31, 128, 11), (1024, 256, 18), (16384, 100, 7)])
+def test_q_values_match_reference(B, H, N):
+    config = LearnerConfig(hidden_dim=H, n_actions=N)
+    rng = np.random.default_rng(B + H + N)
+    state = random_state(config, rng, 0)
+    backend = cuda_backend(config, state)
+    h = rng.standard_normal((B, H)).astype(np.float32)
+    for target, params in ((False, state.params), (True, state.target)):
+        poison(backend, B)
+        want = reference.q_values(params.astype(np.float64), h.astype(np.float64))
+        assert_close(f"Q target={target}", backend.q_values(h, target), want, 1e-4, 1e-5)
+
+
+# ---- action entropy ---------------------------------------------------------------------
+def entropy_call(backend, actions, slot, alpha):
+    poison(backend)
+    return backend.entropy(np.asarray(actions, np.int32), slot, alpha)
+
+
+def fresh_slot_backend(n_actions: int, slot: int = 583, value: float = 0.0, observed=False):
+    config = LearnerConfig(hidden_dim=64, n_actions=n_actions)
+    state = LearnerState.initial(config)
+    state.isv[slot], state.isv_observed[slot] = value, observed
+    return cuda_backend(config, state)
+
+
+def test_entropy_all_one_action_is_zero_and_stays_observed():
+    backend = fresh_slot_backend(11)
+    assert entropy_call(backend, np.full(1000, 3), 583, 0.2) == (0.0, 0.0)
+    values, observed = backend.read_isv(np.array([583]))
+    assert values[0] == 0.0 and observed[0]
+    h, ema = entropy_call(backend, np.arange(1100) % 11, 583, 0.2)  # EMA 0 is not re-bootstrapped
+    assert_scalar("entropy", h, math.log(11), rtol=0, atol=1e-6)
+    assert_scalar("ema", ema, 0.2 * math.log(11), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("N", [2, 11, 18])
+def test_entropy_uniform_is_log_n(N):
+    backend = fresh_slot_backend(N)
+    h, ema = entropy_call(backend, np.random.default_rng(N).permutation(np.arange(64 * N) % N),
+                          583, 0.5)
+    assert_scalar("entropy", h, math.log(N), rtol=0, atol=1e-6)
+    assert ema == np.float32(h)  # bootstrapped, not blended
+
+
+def test_entropy_first_observation_bootstraps_regardless_of_value():
+    backend = fresh_slot_backend(11, value=5.0, observed=False)
+    actions = np.random.default_rng(1).integers(0, 11, 500)
+    h, ema = entropy_call(backend, actions, 583, 0.1)
+    assert ema == np.float32(h) and backend.read_isv(np.array([583]))[1][0]
+
+
+@pytest.mark.parametrize("M", [1, 31, 1023, 1025, 16384, 16385, 65536])
+def test_entropy_matches_reference_any_length(M):
+    N = 11
+    rng = np.random.default_rng(M)
+    config = LearnerConfig(hidden_dim=64, n_actions=N)
+    state = random_state(config, rng, 0)
+    backend = cuda_backend(config, state)
+    ref = reference.ReferenceBackend(config, state, dtype=np.float64)
+    p = rng.dirichlet(np.ones(N) * 0.5)  # skewed, some actions rare
+    for slot, alpha in ((583, 0.3), (583, 0.05), (420, 1.0), (7, 0.5)):
+        actions = rng.choice(N, size=M, p=p).astype(np.int32)
+        h, ema = entropy_call(backend, actions, slot, alpha)
+        want_h, want_ema = ref.entropy(actions, slot, alpha)
+        assert_scalar("entropy", h, want_h, rtol=0, atol=2e-6)
+        assert_scalar("ema", ema, want_ema, rtol=1e-6, atol=2e-6)
+    got_values, got_observed = backend.read_isv(np.arange(config.isv_size))
+    want_values, want_observed = ref.read_isv(np.arange(config.isv_size))
+    assert_close("isv", got_values, want_values, 1e-6, 1e-7)
+    np.testing.assert_array_equal(got_observed, want_observed)
+
+
+def test_learner_auto_picks_cuda():
+    config = LearnerConfig()
+    learner = Learner(config, backend="auto")
+    assert learner.backend.name == "cuda" and learner.backend.device
+    batch = random_batch(np.random.default_rng(2), 256, config, LearnerState.initial(config), True)
+    result = learner.step(batch)
+    _, want = reference.train_step(LearnerState.initial(config), batch, config, np.float64)
+    assert result.step == 1
+    assert_scalar("loss", result.loss, want.loss)

@@ -1,0 +1,61 @@
+"""Every kernels/*.cu (and the benchmark's seed baseline) compiles for sm_90 with nvcc.
+
+Runs on CPU machines; skipped where nvcc is absent.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "kernels"
+NVCC = shutil.which("nvcc")
+SIZES = [(128, 11, 16), (64, 2, 16), (256, 18, 16), (100, 7, 8), (4096, 1024, 4)]
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+
+
+def nvcc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([NVCC, "-arch=sm_90", f"-I{KERNELS}", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_there_are_kernels():
+    assert {p.name for p in KERNELS.glob("*.cu")} >= {"learner_step.cu", "action_entropy.cu"}
+
+
+@pytest.mark.parametrize("cu", sorted(KERNELS.glob("*.cu")), ids=lambda p: p.name)
+@pytest.mark.parametrize("H,N,R", SIZES, ids=lambda v: str(v))
+def test_ptx_compiles(cu, H, N, R, tmp_path):
+    out = tmp_path / "k.ptx"
+    run = nvcc("--ptx", f"-DHIDDEN_DIM={H}", f"-DN_ACTIONS={N}", f"-DROW_TILE={R}",
+               "-o", str(out), str(cu))
+    assert run.returncode == 0, run.stderr
+    assert "warning" not in run.stderr.lower(), run.stderr
+    assert ".entry" in out.read_text()
+
+
+def test_seed_baseline_compiles(tmp_path):
+    run = nvcc("--ptx", "-o", str(tmp_path / "seed.ptx"),
+               str(ROOT / "benchmarks" / "seed_action_entropy.cu"))
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("cu", sorted(KERNELS.glob("*.cu")), ids=lambda p: p.name)
+def test_sizes_are_not_hard_coded(cu, tmp_path):
+    run = nvcc("--ptx", "-o", str(tmp_path / "k.ptx"), str(cu))
+    assert run.returncode != 0 and "HIDDEN_DIM" in run.stderr
+
+
+@pytest.mark.parametrize("cu", sorted(KERNELS.glob("*.cu")), ids=lambda p: p.name)
+def test_default_sizes_do_not_spill(cu, tmp_path):
+    run = nvcc("-cubin", "-Xptxas", "-v", "-DHIDDEN_DIM=128", "-DN_ACTIONS=11",
+               "-o", str(tmp_path / "k.cubin"), str(cu))
+    assert run.returncode == 0, run.stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    assert spills and all(s == ("0", "0") for s in spills), run.stderr
