@@ -1,0 +1,57 @@
+# duelq server image:  docker build -t duelq . && docker run --gpus all -p 50051:50051 duelq
+#
+# A CUDA runtime image is not enough for CuPy on CUDA 12.2+: NVRTC needs the cudart
+# headers to compile kernels/*.cu at start-up, so the cudart dev package is added.
+ARG BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+ARG CUDA_PKG=12-6
+# The base image's tag pins the distribution and the CUDA release; its apt versions follow.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      python3 python3-venv "cuda-cudart-dev-${CUDA_PKG}" \
+ && rm -rf /var/lib/apt/lists/*
+
+ENV VIRTUAL_ENV=/opt/duelq \
+    PATH=/opt/duelq/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/duelq
+
+# Dependencies first (cached while only the sources change): read them from pyproject.
+WORKDIR /src
+COPY pyproject.toml ./
+RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['cuda']))" > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt
+
+COPY README.md ./
+COPY protos ./protos
+COPY kernels ./kernels
+COPY client ./client
+COPY server ./server
+# Our own package, dependencies already installed above.
+# hadolint ignore=DL3013
+RUN pip install --no-deps '.[cuda]'
+
+# A non-root user with its own CuPy kernel cache and checkpoint directory.
+RUN useradd --create-home --uid 10001 duelq \
+ && mkdir -p /data/checkpoints /home/duelq/.cache/cupy \
+ && chown -R duelq:duelq /data /home/duelq/.cache
+USER 10001
+WORKDIR /home/duelq
+ENV CUPY_CACHE_DIR=/home/duelq/.cache/cupy \
+    DUELQ_HOST=0.0.0.0 \
+    DUELQ_PORT=50051 \
+    DUELQ_METRICS_PORT=9090 \
+    DUELQ_CHECKPOINT_DIR=/data/checkpoints
+VOLUME ["/data/checkpoints"]
+EXPOSE 50051 9090
+
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["duelq", "health", "--target", "localhost:50051"]
+
+# Exec form: SIGTERM reaches the server, which drains, checkpoints and exits.
+ENTRYPOINT ["duelq", "serve"]
