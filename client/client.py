@@ -216,9 +216,15 @@ class LearnerClient:
         self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.feature_dtype = feature_dtype
         self._seq = itertools.count(1)
+        self._issued = 0  # highest seq handed out
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
+        # Redial at the pace of our own retries rather than grpc's default (1 s growing
+        # to 120 s), so that a restarted server is found within about ``max_backoff``.
+        options = [("grpc.initial_reconnect_backoff_ms", max(int(backoff * 1000), 10)),
+                   ("grpc.max_reconnect_backoff_ms", max(int(max_backoff * 1000), 10)),
+                   *options]
         credentials = _credentials(tls)
         self._channel = (grpc.secure_channel(target, credentials, options) if credentials
                          else grpc.insecure_channel(target, options))
@@ -237,7 +243,9 @@ class LearnerClient:
         self.close()
 
     def _key(self) -> pb.RequestKey:
-        return pb.RequestKey(actor_id=self.actor_id, seq=next(self._seq))
+        seq = next(self._seq)
+        self._issued = max(self._issued, seq)
+        return pb.RequestKey(actor_id=self.actor_id, seq=seq)
 
     def _sleep(self, attempt: int) -> None:
         delay = min(self.max_backoff, self.backoff * 2 ** attempt)
@@ -264,11 +272,26 @@ class LearnerClient:
 
     # -- rpcs -----------------------------------------------------------------------------
 
-    def train_step(self, batch: Batch) -> TrainResult:
-        """Apply one batch as one learner step."""
+    def train_step(self, batch: Batch, *, seq: int | None = None) -> TrainResult:
+        """Apply one batch as one learner step.
+
+        A server error carries the request's ``seq``.  To resend a batch whose
+        call failed without an answer (DeadlineExceeded, Unavailable after the
+        retries), pass that ``seq``: the server applies the batch at most once
+        and answers ``replayed`` if it already had.  Leave ``seq`` None for new
+        batches.
+        """
+        if seq is not None and not (isinstance(seq, int) and 1 <= seq <= self._issued):
+            raise _bad("seq", f"must be a sequence number this client has used "
+                              f"(1..{self._issued}), got {seq!r}")
         request = encode_batch(batch, feature_dtype=self.feature_dtype)
-        request.key.CopyFrom(self._key())
-        return _train_result(self._call(self._stub.TrainStep, request))
+        request.key.CopyFrom(self._key() if seq is None
+                             else pb.RequestKey(actor_id=self.actor_id, seq=seq))
+        try:
+            return _train_result(self._call(self._stub.TrainStep, request))
+        except errors.DuelqError as exc:
+            exc.seq = request.key.seq
+            raise
 
     def train_stream(self, batches: Iterable[Batch], *, window: int = 8) -> Iterator[TrainResult]:
         """Stream batches; yield their results in order, at most ``window`` unanswered.

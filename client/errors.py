@@ -15,6 +15,8 @@ class DuelqError(Exception):
     """Base of every error the duelq client raises."""
 
     code: grpc.StatusCode | None = None
+    seq: int | None = None
+    """Set by ``train_step``: the request's key sequence number, to resend it with."""
 
     def __init__(self, details: str, *, code: grpc.StatusCode | None = None):
         super().__init__(details)
@@ -48,7 +50,7 @@ class ResourceExhausted(DuelqError):
 
 
 class FailedPrecondition(DuelqError):
-    """The step would have made the weights non-finite; the server refused it."""
+    """The step would have made the weights non-finite (refused), or checkpoints are off."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -78,7 +80,7 @@ class Unauthenticated(DuelqError):
 
 
 class Unimplemented(DuelqError):
-    """The server does not offer this rpc (for example SaveCheckpoint)."""
+    """The server does not offer this rpc (an older server)."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
 

@@ -5,7 +5,9 @@ the Adam moments, the ISV values and its observed flags as uint8) are safetensor
 tensors; the rest is JSON in the safetensors header metadata (key ``duelq``:
 format version, step, config, creation time, backend), next to a SHA-256
 (key ``duelq.sha256``) over that JSON and every tensor's name, dtype, shape and
-bytes.  Why safetensors: loading parses a small JSON header and copies raw bytes,
+bytes.  Optional *extras* (opaque byte blobs the server saves with the state,
+such as its idempotency records) are uint8 tensors ``extra.<name>``, covered by
+the same digest, so they are as atomic and as checked as the state itself.  Why safetensors: loading parses a small JSON header and copies raw bytes,
 so, unlike pickle (``np.save`` of objects, ``torch.save``), reading a file never
 executes code; the data can be memory-mapped without copies; it is well kept
 (Hugging Face) and language-neutral, so any tool can inspect a checkpoint.
@@ -28,14 +30,16 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 import tempfile
 import threading
-from dataclasses import fields
+import time
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import safetensors
@@ -62,7 +66,11 @@ DIGEST_KEY = "duelq.sha256"
 GROUPS = ("params", "target", "adam_m", "adam_v")
 _NAME = re.compile(r"ckpt-(\d{12,})\.safetensors")
 _TMP_PREFIX, _TMP_SUFFIX = ".ckpt-", ".tmp"
+_EXTRA_PREFIX = "extra."
+_EXTRA_NAME = re.compile(r"[a-z0-9_]{1,64}")
 _save_lock = threading.Lock()
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(LearnerError):
@@ -79,19 +87,37 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:012d}.safetensors"
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """One verified checkpoint: the state, its extras and where it was read from."""
+
+    state: LearnerState
+    extras: dict[str, bytes]
+    path: Path
+
+
 def save_checkpoint(directory: str | os.PathLike, state: LearnerState, config: LearnerConfig,
-                    *, keep: int = 3, backend: str | None = None) -> Path:
+                    *, keep: int = 3, backend: str | None = None,
+                    extras: Mapping[str, bytes] | None = None) -> Path:
     """Write ``state`` atomically to ``directory``, prune to the newest ``keep``; return the path.
 
-    A checkpoint of the same step is replaced.  Refuses to write below the newest
-    step already there (it would be ignored on resume), and a state that does not
-    fit ``config``.  Write failures raise :class:`CheckpointError`, leaving no file.
+    ``extras`` maps names (``[a-z0-9_]``, ≤ 64 characters) to byte blobs stored
+    in the same file.  A checkpoint of the same step is replaced.  Refuses to
+    write below the newest step already there (it would be ignored on resume),
+    and a state that does not fit ``config``.  Write failures raise
+    :class:`CheckpointError`, leaving no file.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise InvalidArgument("keep", f"must be an integer ≥ 1, got {keep!r}")
     directory = Path(directory)
     path = directory / checkpoint_name(state.step)
     tensors = _state_tensors(state, config, path)
+    for name, blob in (extras or {}).items():
+        if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+            raise InvalidArgument("extras", f"name {name!r} must match {_EXTRA_NAME.pattern}")
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise InvalidArgument("extras", f"{name!r} must be bytes, got {type(blob).__name__}")
+        tensors[_EXTRA_PREFIX + name] = np.frombuffer(bytes(blob), np.uint8)
     info = {"format_version": FORMAT_VERSION, "step": state.step, "config": config.to_dict(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     if backend is not None:
@@ -135,11 +161,17 @@ def load_latest(directory: str | os.PathLike, config: LearnerConfig, *,
     :class:`CheckpointError`; it never falls back to an older file.  A missing
     directory holds none.
     """
+    found = read_latest(directory, config, allow_changes=allow_changes)
+    return None if found is None else (found.state, found.path)
+
+
+def read_latest(directory: str | os.PathLike, config: LearnerConfig, *,
+                allow_changes: Iterable[str] = ()) -> Checkpoint | None:
+    """Like :func:`load_latest`, with the checkpoint's extras."""
     found = _checkpoints(Path(directory))
     if not found:
         return None
-    path = found[-1][1]
-    return load_checkpoint(path, config, allow_changes=allow_changes), path
+    return read_checkpoint(found[-1][1], config, allow_changes=allow_changes)
 
 
 def load_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
@@ -149,6 +181,12 @@ def load_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
     ``allow_changes`` names fields of :data:`TUNABLE_FIELDS` that may differ from
     the stored config; any other difference raises :class:`CheckpointError`.
     """
+    return read_checkpoint(path, config, allow_changes=allow_changes).state
+
+
+def read_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
+                    allow_changes: Iterable[str] = ()) -> Checkpoint:
+    """Like :func:`load_checkpoint`, with the checkpoint's extras."""
     allowed = set(allow_changes)
     if not allowed <= TUNABLE_FIELDS:
         raise InvalidArgument("allow_changes", f"{sorted(allowed - TUNABLE_FIELDS)} may not "
@@ -191,6 +229,12 @@ def load_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
         diff = "; ".join(f"{name}: checkpoint {getattr(stored, name)!r}, "
                          f"server {getattr(config, name)!r}" for name in refused)
         raise refuse(f"config mismatch ({diff})")
+    extras = {name[len(_EXTRA_PREFIX):]: tensors.pop(name) for name in list(tensors)
+              if name.startswith(_EXTRA_PREFIX)}
+    for name, blob in extras.items():
+        if blob.dtype != np.uint8 or blob.ndim != 1 or not _EXTRA_NAME.fullmatch(name):
+            raise refuse(f"extra {name!r} is {blob.dtype}{list(blob.shape)}, expected a "
+                         f"uint8 vector named like {_EXTRA_NAME.pattern}")
     problem = _layout_problem(tensors, config)
     if problem:
         raise refuse(problem)
@@ -204,9 +248,10 @@ def load_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
     def group(name: str) -> Params:
         return Params(*(tensors[f"{name}.{p}"] for p in PARAM_NAMES))
 
-    return LearnerState(params=group("params"), target=group("target"),
-                        adam_m=group("adam_m"), adam_v=group("adam_v"), step=step,
-                        isv=tensors["isv"], isv_observed=observed.astype(bool))
+    state = LearnerState(params=group("params"), target=group("target"),
+                         adam_m=group("adam_m"), adam_v=group("adam_v"), step=step,
+                         isv=tensors["isv"], isv_observed=observed.astype(bool))
+    return Checkpoint(state, {name: blob.tobytes() for name, blob in extras.items()}, path)
 
 
 class CheckpointPolicy:
@@ -319,3 +364,104 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Returns a consistent (state, extras) pair to save; the caller provides the consistency.
+Snapshot = Callable[[], "tuple[LearnerState, Mapping[str, bytes]]"]
+
+
+class CheckpointWriter:
+    """Saves one learner's checkpoints to one directory: on demand, by a policy, at close.
+
+    ``snapshot`` returns a consistent (state, extras) pair; the server takes it
+    under the lock that serialises steps, so a checkpoint holds exactly the
+    steps applied before it and the idempotency records of those steps.  Saves
+    are serialised here (snapshot and write under one lock), so files appear in
+    step order.  Periodic saves run on a background thread, off the step path:
+    :meth:`notify` only records the step count and wakes the thread when
+    ``every_steps`` have passed; ``every_seconds`` is checked at least once a
+    second.  A failed periodic save is logged and retried one period later.
+    """
+
+    def __init__(self, directory: str | os.PathLike, config: LearnerConfig, snapshot: Snapshot,
+                 *, keep: int = 3, every_steps: int = 0, every_seconds: float = 0.0,
+                 step: int = 0, backend: str | None = None):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidArgument("keep", f"must be an integer ≥ 1, got {keep!r}")
+        self.directory, self.config, self.keep, self.backend = Path(directory), config, keep, backend
+        self._snapshot = snapshot
+        self._policy = CheckpointPolicy(every_steps, every_seconds, step=step,
+                                        now=time.monotonic())
+        self._lock = threading.Lock()      # one save at a time; guards the policy
+        self._wake = threading.Event()
+        self._latest = step                # newest step notified
+        self._due = step + every_steps if every_steps else -1  # step that makes a save due
+        self._closed = False
+        self._final: tuple[Path, int] | None = None
+        self._thread: threading.Thread | None = None
+        self.last_path: Path | None = None
+        self.last_write_s: float | None = None
+        """Seconds the last save took, snapshot included."""
+
+    def start(self) -> None:
+        """Start the periodic saver (a daemon thread), if a period is set."""
+        if self._policy.every_steps or self._policy.every_seconds:
+            self._thread = threading.Thread(target=self._run, name="duelq-checkpoint",
+                                            daemon=True)
+            self._thread.start()
+
+    def notify(self, step: int) -> None:
+        """A step was applied; cheap enough for the step path (no I/O, no lock)."""
+        self._latest = step
+        if 0 <= self._due <= step:
+            self._wake.set()
+
+    def save(self) -> tuple[Path, int]:
+        """Snapshot and write a checkpoint now: (path, step); raises :class:`CheckpointError`."""
+        with self._lock:
+            return self._save_locked()
+
+    def close(self, *, final: bool = True) -> tuple[Path, int] | None:
+        """Stop the periodic saver; with ``final``, write one last checkpoint: (path, step)."""
+        with self._lock:
+            if self._closed:
+                return self._final
+            self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._final = self.save() if final else None
+        return self._final
+
+    def _save_locked(self) -> tuple[Path, int]:
+        started = time.perf_counter()
+        state, extras = self._snapshot()
+        snapped = time.perf_counter()
+        path = save_checkpoint(self.directory, state, self.config, keep=self.keep,
+                               backend=self.backend, extras=extras)
+        self._policy.record(state.step, time.monotonic())
+        if self._policy.every_steps:
+            self._due = state.step + self._policy.every_steps
+        done = time.perf_counter()
+        self.last_path, self.last_write_s = path, done - started
+        log.info("checkpoint %s: step %d, %d bytes, snapshot %.1f ms, write %.1f ms",
+                 path, state.step, path.stat().st_size, 1e3 * (snapped - started),
+                 1e3 * (done - snapped))
+        return path, state.step
+
+    def _run(self) -> None:
+        tick = min(self._policy.every_seconds, 1.0) or None
+        while True:
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._closed:
+                return
+            with self._lock:
+                if not self._policy.maybe_save(self._latest, time.monotonic()):
+                    continue
+                try:
+                    self._save_locked()
+                except Exception:  # noqa: BLE001 — keep serving; the next period retries
+                    log.exception("periodic checkpoint to %s failed", self.directory)
+                    if self._policy.every_steps:
+                        self._due = self._latest + self._policy.every_steps

@@ -6,8 +6,10 @@ The LearnerConfig and ServerOptions flags are generated from those dataclasses,
 with their field docstrings as help, so a new knob becomes a flag by itself.
 
 Exit codes: 0 success (also a clean shutdown on SIGINT/SIGTERM), 1 a runtime
-failure (cannot bind, no usable backend, the demo failed), 2 a usage or
-configuration error.
+failure (cannot bind, no usable backend, the final checkpoint could not be
+written, the demo failed), 2 a usage or configuration error, 3 the newest
+checkpoint in ``--checkpoint-dir`` is unreadable, corrupt or was made with
+another configuration (``duelq serve`` never starts fresh over it).
 """
 
 from __future__ import annotations
@@ -24,21 +26,22 @@ import textwrap
 import threading
 from typing import Any, Callable, Sequence
 
+from .checkpoint import CheckpointError
 from .config import LearnerConfig
 from duelq.client.gym_actor import OPTIMAL_RETURN
 
 from .demo import run_demo
 from .gym_demo import env_config
 from .errors import InvalidArgument
-from .learner import BACKENDS, Learner
+from .learner import BACKENDS
 from .server import LearnerServer, ServerOptions
 
 log = logging.getLogger("duelq")
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CHECKPOINT = 0, 1, 2, 3
 ENV_PREFIX = "DUELQ_"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-SECRETS = {"token"}  # never echoed in --help
+SECRETS = {"token"}  # never echoed in --help; prefer DUELQ_TOKEN or --token-file to --token
 
 
 class UsageError(Exception):
@@ -159,7 +162,8 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="duelq", description="A gRPC learner service for a Dueling-DQN head.",
-        epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error. "
+        epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error, "
+               "3 refused checkpoint (corrupt or another configuration). "
                "Every flag also reads DUELQ_<FLAG> from the environment.")
     add_flag(parser, "log_level", "str", "", "logging level (DEBUG, INFO, WARNING, ERROR; "
              "default INFO for serve, WARNING for demo)")
@@ -233,9 +237,13 @@ def setup_logging(level: str, fmt: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run until SIGINT/SIGTERM: bind, build the backend, SERVING, drain on exit."""
+    """Run until SIGINT/SIGTERM: bind, resume or build the learner, SERVING; on a signal
+    NOT_SERVING, drain, final checkpoint, exit 0."""
     config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
-    server = LearnerServer(options)
+    try:
+        server = LearnerServer(options)
+    except InvalidArgument as exc:  # an unreadable or empty --token-file
+        raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
     try:
         server.start()
     except OSError as exc:
@@ -249,16 +257,27 @@ def serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     try:
-        learner = Learner(config, backend=args.backend, max_batch_size=options.max_batch_size)
+        server.serve_learner(config, backend=args.backend)
+    except CheckpointError as exc:
+        log.error("%s; refusing to start (move the file away to start fresh, or fix the "
+                  "configuration to match it)", exc)
+        server.stop(0)
+        return EXIT_CHECKPOINT
     except Exception as exc:  # noqa: BLE001 — any backend failure ends the command
         log.error("cannot start the %s backend: %s", args.backend, exc)
         server.stop(0)
         return EXIT_FAILURE
-    server.attach(learner)
     while not stop.wait(0.5):
         pass
-    log.info("draining running rpcs for up to %g s", options.grace_s)
-    server.stop()
+    log.info("draining: finishing admitted steps, then the final checkpoint; running rpcs "
+             "get up to %g s", options.grace_s)
+    try:
+        saved = server.stop()
+    except CheckpointError as exc:
+        log.error("final checkpoint failed: %s", exc)
+        return EXIT_FAILURE
+    if saved is not None:
+        log.info("final checkpoint %s at step %d", *saved)
     return EXIT_OK
 
 

@@ -12,13 +12,22 @@ Memory is bounded three ways:
   forgotten first (a retry from a forgotten actor would be applied again).
 
 Not thread-safe: the service calls it under the lock that applies steps.
+
+:meth:`ReplayGuard.to_bytes` / :meth:`ReplayGuard.from_bytes` carry the records
+into a checkpoint and back (JSON; responses as base64 protobuf bytes of the
+message types the caller names), so a key applied before a checkpoint stays
+applied after a restart from it.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from google.protobuf.message import DecodeError
 
 from .errors import InvalidArgument, LearnerError
 
@@ -102,6 +111,62 @@ class ReplayGuard:
         else:
             actor.seen |= 1 << (actor.high - seq)
             self._keep((actor_id, seq), response)
+
+    def copy(self) -> "ReplayGuard":
+        """A copy that shares the recorded responses (never mutated once recorded)."""
+        other = ReplayGuard(capacity=self.capacity, window=self.window,
+                            max_actors=self.max_actors)
+        other._actors = OrderedDict((a, replace(rec)) for a, rec in self._actors.items())
+        other._responses = OrderedDict(self._responses)
+        return other
+
+    def to_bytes(self) -> bytes:
+        """Every record, LRU order kept; responses must be protobuf messages."""
+        def blob(response: Any) -> list[str] | None:
+            if response is None:
+                return None
+            return [type(response).__name__,
+                    base64.b64encode(response.SerializeToString()).decode("ascii")]
+
+        return json.dumps({
+            "format": 1, "window": self.window,
+            "actors": [[a, rec.high, format(rec.seen, "x"), blob(rec.latest)]
+                       for a, rec in self._actors.items()],
+            "responses": [[a, seq, blob(r)] for (a, seq), r in self._responses.items()],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, kinds: Mapping[str, type], *, capacity: int = 1024,
+                   max_actors: int = 65536) -> "ReplayGuard":
+        """Records written by :meth:`to_bytes`; ``kinds`` maps message names to classes.
+
+        The stored window is kept (a wider one would forget applied keys); the
+        response cache is trimmed to ``capacity``.  Raises ValueError when
+        ``data`` is malformed.
+        """
+        def message(item: Any) -> Any:
+            if item is None:
+                return None
+            name, text = item
+            return kinds[name].FromString(base64.b64decode(text, validate=True))
+
+        try:
+            doc = json.loads(data)
+            if doc["format"] != 1:
+                raise ValueError(f"format {doc['format']!r}, expected 1")
+            guard = cls(capacity=capacity, window=int(doc["window"]), max_actors=max_actors)
+            for actor_id, high, seen, latest in doc["actors"]:
+                if not isinstance(actor_id, str) or not isinstance(high, int) or high < 0:
+                    raise ValueError(f"bad actor record {actor_id!r}/{high!r}")
+                guard._actors[actor_id] = _Actor(high, int(seen, 16) & ((1 << guard.window) - 1),
+                                                 message(latest))
+            for actor_id, seq, response in doc["responses"]:
+                guard._keep((str(actor_id), int(seq)), message(response))
+        except (KeyError, TypeError, ValueError, DecodeError) as exc:
+            raise ValueError(f"malformed idempotency records: {exc!r}") from exc
+        while len(guard._actors) > guard.max_actors:
+            guard._forget(next(iter(guard._actors)))
+        return guard
 
     def _keep(self, key: tuple[str, int], response: Any) -> None:
         if self.capacity == 0:

@@ -8,9 +8,16 @@ TrainStreams past ``max_streams``.  Steps from all threads serialise on the
 service's apply lock.
 
 Lifecycle: :meth:`LearnerServer.start` binds and serves health (NOT_SERVING)
-and reflection at once; :meth:`LearnerServer.attach` hands over a ready
-learner and flips health to SERVING; :meth:`LearnerServer.stop` flips it to
-NOT_SERVING, refuses new rpcs and drains running ones for ``grace_s``.
+and reflection at once; :meth:`LearnerServer.serve_learner` builds the learner
+(resumed from the newest checkpoint in ``checkpoint_dir``, if any) and
+:meth:`LearnerServer.attach` hands it over and flips health to SERVING;
+:meth:`LearnerServer.stop` flips it to NOT_SERVING, refuses new state changes
+(UNAVAILABLE: clients retry with the same key), waits for the admitted ones,
+writes a final checkpoint, then stops gRPC, giving running rpcs ``grace_s``.
+
+Request bytes that do not parse as the rpc's message get INVALID_ARGUMENT
+(grpc's own answer would be INTERNAL); only our protobuf messages are ever
+deserialised.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from grpc_reflection.v1alpha import reflection
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
+from .checkpoint import CheckpointError, CheckpointWriter, read_latest
 from .config import LearnerConfig
 from .errors import InvalidArgument
 from .idempotency import ReplayGuard
 from .learner import Learner
 from .metrics import Metrics
-from .service import Checkpointer, LearnerService, Limits
+from .service import REPLAY_KINDS, LearnerService, Limits
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +67,12 @@ class ServerOptions:
     """Rpcs (streams included) running at once; also the worker thread count."""
     replay_cache: int = 1024
     """Recorded responses kept for idempotent retries (besides each actor's latest)."""
+    max_queue: int = 64
+    """Requests waiting for the learner at once; past it RESOURCE_EXHAUSTED."""
     token: str = ""
     """If set, every rpc but health needs metadata ``authorization: Bearer <token>``."""
+    token_file: str = ""
+    """File holding the bearer token (surrounding whitespace stripped); instead of ``token``."""
     tls_cert: str = ""
     """PEM certificate chain file; with ``tls_key`` turns TLS on."""
     tls_key: str = ""
@@ -71,6 +83,14 @@ class ServerOptions:
     """Seconds running rpcs get to finish on shutdown."""
     metrics_port: int = 0
     """HTTP port of the Prometheus /metrics endpoint (on ``host``); 0 turns metrics off."""
+    checkpoint_dir: str = ""
+    """Directory of checkpoints: resume from the newest at start, save there; "" = off."""
+    checkpoint_every_steps: int = 0
+    """Save a checkpoint every this many steps (off the step path); 0 = no step trigger."""
+    checkpoint_every_seconds: float = 0.0
+    """Save a checkpoint every this many seconds if steps were applied; 0 = no time trigger."""
+    checkpoint_keep: int = 3
+    """Checkpoints kept in ``checkpoint_dir`` (the newest ones)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, problem: str) -> None:
@@ -90,6 +110,72 @@ class ServerOptions:
              "needs tls_cert and tls_key")
         need(self.grace_s >= 0, "grace_s", "must be ≥ 0")
         need(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
+        need(self.max_queue >= 1, "max_queue", "must be ≥ 1")
+        need(not (self.token and self.token_file), "token_file", "give token or token_file, "
+             "not both")
+        need(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be ≥ 0")
+        need(self.checkpoint_every_seconds >= 0, "checkpoint_every_seconds", "must be ≥ 0")
+        need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
+        need(self.checkpoint_dir or not (self.checkpoint_every_steps
+                                         or self.checkpoint_every_seconds),
+             "checkpoint_dir", "is needed for periodic checkpoints")
+
+    def bearer_token(self) -> str:
+        """``token``, or the contents of ``token_file``; "" when auth is off."""
+        if not self.token_file:
+            return self.token
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgument("token_file", f"cannot read {self.token_file}: {exc}") from exc
+        if not token:
+            raise InvalidArgument("token_file", f"{self.token_file} is empty")
+        return token
+
+
+class DecodeGuard(grpc.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, not grpc's INTERNAL, when request bytes do not parse."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        parse, name = handler.request_deserializer, details.method.rsplit("/", 1)[1]
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
+                return _Undecodable(f"cannot parse as the {name} request message "
+                                    f"({type(exc).__name__}: {exc})")
+
+        def checked(requests):
+            for request in requests:
+                if isinstance(request, _Undecodable):
+                    raise InvalidArgument("request", request.problem)
+                yield request
+
+        if handler.request_streaming:
+            inner = handler.stream_stream or handler.stream_unary
+
+            def behaviour(requests, context):
+                return inner(checked(requests), context)
+        else:
+            inner = handler.unary_unary or handler.unary_stream
+
+            def behaviour(request, context):
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request: {request.problem}")
+                return inner(request, context)
+        return _same_shape(handler, behaviour, deserialize)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
 
 
 class BearerAuth(grpc.ServerInterceptor):
@@ -113,12 +199,18 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     def deny(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
+    return _same_shape(handler, deny, handler.request_deserializer)
+
+
+def _same_shape(handler: grpc.RpcMethodHandler, behaviour,
+                request_deserializer) -> grpc.RpcMethodHandler:
+    """A handler with ``handler``'s streaming shape and serializer, running ``behaviour``."""
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler}
     return make[handler.request_streaming, handler.response_streaming](
-        deny, request_deserializer=handler.request_deserializer,
+        behaviour, request_deserializer=request_deserializer,
         response_serializer=handler.response_serializer)
 
 
@@ -129,18 +221,22 @@ def _read(path: str) -> bytes:
 class LearnerServer:
     """A running duelq gRPC server; attach a learner to start serving it."""
 
-    def __init__(self, options: ServerOptions, *, checkpoint: Checkpointer | None = None,
+    def __init__(self, options: ServerOptions, *,
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()):
         self.options = options
         self.health = health.HealthServicer()
         self.service = LearnerService(
-            Limits(options.max_message_bytes, options.max_batch_size, options.max_streams),
-            replay=ReplayGuard(capacity=options.replay_cache), checkpoint=checkpoint)
-        auth = (BearerAuth(options.token),) if options.token else ()
+            Limits(options.max_message_bytes, options.max_batch_size, options.max_streams,
+                   options.max_queue),
+            replay=ReplayGuard(capacity=options.replay_cache))
+        token = options.bearer_token()
+        auth = (BearerAuth(token),) if token else ()
         # Outermost, so refusals by the auth interceptor are counted too.
         self.metrics = Metrics(lambda: self.service._learner) if options.metrics_port else None
         if self.metrics is not None:
             auth = (self.metrics.interceptor,) + auth
+            self.metrics.checkpoint_dir = options.checkpoint_dir
+        auth += (DecodeGuard(),)
         size = options.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_rpcs,
@@ -199,31 +295,83 @@ class LearnerServer:
                  "plaintext")
         return self.port
 
-    def attach(self, learner: Learner) -> None:
-        """Serve ``learner`` and report SERVING."""
-        self.service.attach(learner)
+    def serve_learner(self, config: LearnerConfig, *, backend: str = "auto") -> Learner:
+        """Build the learner, resumed from ``checkpoint_dir``'s newest checkpoint, and attach it.
+
+        Raises :class:`CheckpointError` when that checkpoint is unreadable,
+        corrupt or made with another config, or the directory is unusable:
+        never starts fresh over a checkpoint it cannot read.
+        """
+        directory, state, replay = self.options.checkpoint_dir, None, None
+        if directory:
+            try:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(directory, f"cannot use as checkpoint directory: "
+                                                 f"{exc}") from exc
+            found = read_latest(directory, config)
+            if found is None:
+                log.info("no checkpoint in %s: starting fresh at step 0", directory)
+            else:
+                state = found.state
+                if "replay" in found.extras:
+                    try:
+                        replay = ReplayGuard.from_bytes(found.extras["replay"], REPLAY_KINDS,
+                                                        capacity=self.options.replay_cache)
+                    except ValueError as exc:
+                        raise CheckpointError(found.path, str(exc)) from exc
+                else:
+                    log.warning("%s holds no idempotency records: a retried request applied "
+                                "before it would be applied again", found.path)
+                log.info("resuming from %s: step %d", found.path, state.step)
+        learner = Learner(config, backend=backend, state=state,
+                          max_batch_size=self.options.max_batch_size)
+        self.attach(learner, replay=replay)
+        return learner
+
+    def attach(self, learner: Learner, *, replay: ReplayGuard | None = None) -> None:
+        """Serve ``learner`` (with ``replay``'s idempotency records) and report SERVING."""
+        self.service.attach(learner, replay=replay)
+        o = self.options
+        if o.checkpoint_dir:
+            self.service.checkpoints = CheckpointWriter(
+                o.checkpoint_dir, learner.config, self.service.snapshot, keep=o.checkpoint_keep,
+                every_steps=o.checkpoint_every_steps, every_seconds=o.checkpoint_every_seconds,
+                step=learner.step_count, backend=learner.backend.name)
+            self.service.checkpoints.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s: backend %s on %s, step %d", SERVICE_NAME, learner.backend.name,
                  learner.backend.device, learner.step_count)
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, refuse new rpcs, let running ones finish for ``grace_s``, stop."""
+    def stop(self, grace_s: float | None = None) -> tuple[Path, int] | None:
+        """NOT_SERVING, drain state changes, final checkpoint, stop gRPC after ``grace_s``.
+
+        Returns the final checkpoint's (path, step), or None without checkpoints.
+        Raises :class:`CheckpointError` if it cannot be written (gRPC still stops).
+        """
         self.health.enter_graceful_shutdown()
         grace = self.options.grace_s if grace_s is None else grace_s
-        self._server.stop(grace).wait()
-        if self.metrics is not None:
-            self.metrics.close()
-        log.info("stopped")
+        saved = None
+        try:
+            if self.service._learner is not None:
+                self.service.drain()
+                if self.service.checkpoints is not None:
+                    saved = self.service.checkpoints.close(final=True)
+        finally:
+            self._server.stop(grace).wait()
+            if self.metrics is not None:
+                self.metrics.close()
+            log.info("stopped")
+        return saved
 
 
 def start_server(config: LearnerConfig, options: ServerOptions, *, backend: str = "auto",
-                 checkpoint: Checkpointer | None = None,
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
-    """Start a server, build the learner on ``backend`` and attach it (SERVING on return)."""
-    server = LearnerServer(options, checkpoint=checkpoint, interceptors=interceptors)
+    """Start a server, build (or resume) the learner on ``backend``; SERVING on return."""
+    server = LearnerServer(options, interceptors=interceptors)
     server.start()
     try:
-        server.attach(Learner(config, backend=backend, max_batch_size=options.max_batch_size))
+        server.serve_learner(config, backend=backend)
     except BaseException:
         server.stop(0)
         raise

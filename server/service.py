@@ -8,7 +8,13 @@ unexpected → INTERNAL with a reference number, the traceback only in the log.
 
 State changes (train steps, entropy EMAs), and Act's read of θ with its
 version, run under one lock, so keys are checked and recorded atomically with
-the step they guard and steps apply one at a time in arrival order.
+the step they guard and steps apply one at a time in arrival order.  At most
+``max_queue`` requests wait for that lock (RESOURCE_EXHAUSTED past it).  A
+request whose deadline passes, or whose client goes away, while it waits is
+answered DEADLINE_EXCEEDED and not applied; one that has started is applied
+and recorded under its key.  A checkpoint snapshot (state and idempotency
+records) is taken under the same lock.  :meth:`LearnerService.drain` refuses
+new state changes (UNAVAILABLE) and waits for those admitted to finish.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import json
 import logging
 import secrets
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Iterator
@@ -32,31 +40,38 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from .batch import Batch
+from .checkpoint import CheckpointError, CheckpointWriter
 from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, StepResult
+from .state import LearnerState
 
 log = logging.getLogger(__name__)
 
-#: Writes a checkpoint of the learner's state; returns where it went.
-Checkpointer = Callable[[Learner], str]
+#: The recorded response types, by name, for idempotency records in checkpoints.
+REPLAY_KINDS = {"TrainResponse": pb.TrainResponse, "EntropyResponse": pb.EntropyResponse}
 
 
 class NotServing(LearnerError):
     """The backend is not ready yet (health NOT_SERVING)."""
 
 
-class Unsupported(LearnerError):
-    """This server does not offer the rpc."""
+class CheckpointsOff(LearnerError):
+    """SaveCheckpoint on a server started without a checkpoint directory."""
+
+
+class Expired(LearnerError):
+    """The call's deadline passed (or its client left) before the request was applied."""
 
 
 _STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
     ((InvalidArgument, client_errors.InvalidArgument), grpc.StatusCode.INVALID_ARGUMENT),
     ((ResourceExhausted,), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ((NonFiniteStep,), grpc.StatusCode.FAILED_PRECONDITION),
+    ((NonFiniteStep, CheckpointsOff), grpc.StatusCode.FAILED_PRECONDITION),
     ((AlreadyApplied,), grpc.StatusCode.ALREADY_EXISTS),
     ((NotServing,), grpc.StatusCode.UNAVAILABLE),
-    ((Unsupported,), grpc.StatusCode.UNIMPLEMENTED),
+    ((Expired,), grpc.StatusCode.DEADLINE_EXCEEDED),
+    ((CheckpointError,), grpc.StatusCode.INTERNAL),  # the message names the file and the cause
 )
 
 
@@ -132,23 +147,76 @@ class Limits:
     max_message_bytes: int
     max_batch_size: int
     max_streams: int
+    max_queue: int = 64
 
 
 class LearnerService(pb_grpc.LearnerServicer):
     """``duelq.v1.Learner`` over a :class:`Learner` that is attached once it is ready."""
 
-    def __init__(self, limits: Limits, *, replay: ReplayGuard | None = None,
-                 checkpoint: Checkpointer | None = None):
+    def __init__(self, limits: Limits, *, replay: ReplayGuard | None = None):
         self.limits = limits
         self._replay = replay if replay is not None else ReplayGuard()
-        self._checkpoint = checkpoint
+        self.checkpoints: CheckpointWriter | None = None
+        """Saves checkpoints (SaveCheckpoint, periodic); None: checkpoints are off."""
         self._learner: Learner | None = None
         self._apply_lock = threading.Lock()
+        self._queue_lock = threading.Lock()  # guards _waiting and _draining
+        self._waiting = 0                    # requests admitted, waiting for _apply_lock
+        self._draining = False
         self._streams = threading.BoundedSemaphore(limits.max_streams)
 
-    def attach(self, learner: Learner) -> None:
-        """Start serving ``learner``; until then every rpc answers UNAVAILABLE."""
+    def attach(self, learner: Learner, *, replay: ReplayGuard | None = None) -> None:
+        """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
+        if replay is not None:
+            self._replay = replay
         self._learner = learner
+
+    def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
+        """A consistent (state, {"replay": idempotency records}) pair for a checkpoint."""
+        learner = self.learner
+        with self._apply_lock:
+            state, replay = learner.snapshot(), self._replay.copy()
+        return state, {"replay": replay.to_bytes()}
+
+    def drain(self) -> None:
+        """Refuse new state changes (UNAVAILABLE); return once the admitted ones are done."""
+        with self._queue_lock:
+            self._draining = True
+        while True:
+            with self._apply_lock, self._queue_lock:
+                if self._waiting == 0:
+                    return
+            time.sleep(0.001)
+
+    @contextmanager
+    def _admit(self, context: grpc.ServicerContext | None, *, changes: bool):
+        """Hold the apply lock for one request: bounded queue, deadline, drain."""
+        with self._queue_lock:
+            if changes and self._draining:
+                raise NotServing("the server is shutting down; retry with the same key")
+            if self._waiting >= self.limits.max_queue:
+                raise ResourceExhausted(f"{self._waiting} requests already wait for the "
+                                        f"learner (max_queue {self.limits.max_queue})")
+            self._waiting += 1
+        try:
+            left = context.time_remaining() if context is not None else None
+            if left is None or left > 1e6:  # no deadline: grpc reports one far in the future
+                got = self._apply_lock.acquire()
+            else:
+                got = self._apply_lock.acquire(timeout=max(left, 0.0))
+        finally:
+            with self._queue_lock:
+                self._waiting -= 1
+        if not got:
+            raise Expired("the deadline passed while the request waited for the learner; "
+                          "it was not applied")
+        try:
+            if context is not None and not context.is_active():
+                raise Expired("the call ended (deadline or cancellation) while the request "
+                              "waited for the learner; it was not applied")
+            yield
+        finally:
+            self._apply_lock.release()
 
     @property
     def learner(self) -> Learner:
@@ -156,10 +224,11 @@ class LearnerService(pb_grpc.LearnerServicer):
             raise NotServing("the learner's backend is still starting; retry shortly")
         return self._learner
 
-    def _keyed(self, key: pb.RequestKey, kind: type, apply: Callable[[], Any]) -> Any:
+    def _keyed(self, key: pb.RequestKey, kind: type, apply: Callable[[], Any],
+               context: grpc.ServicerContext | None) -> Any:
         """Run a state change once per key: replay the recorded response on a repeat."""
         ReplayGuard.check_key(key.actor_id, key.seq)
-        with self._apply_lock:
+        with self._admit(context, changes=True):
             if key.actor_id:
                 recorded = self._replay.lookup(key.actor_id, key.seq, kind)
                 if recorded is not None:
@@ -172,15 +241,19 @@ class LearnerService(pb_grpc.LearnerServicer):
                 self._replay.record(key.actor_id, key.seq, response)
             return response
 
-    def _train(self, request: pb.TrainRequest) -> pb.TrainResponse:
+    def _train(self, request: pb.TrainRequest,
+               context: grpc.ServicerContext | None) -> pb.TrainResponse:
         learner = self.learner
         batch = decode_batch(request)
-        return self._keyed(request.key, pb.TrainResponse,
-                           lambda: train_response(learner.step(batch), request.key))
+        response = self._keyed(request.key, pb.TrainResponse,
+                               lambda: train_response(learner.step(batch), request.key), context)
+        if self.checkpoints is not None and not response.replayed:
+            self.checkpoints.notify(response.step)
+        return response
 
     @_rpc
     def TrainStep(self, request, context):
-        return self._train(request)
+        return self._train(request, context)
 
     @_rpc
     def TrainStream(self, request_iterator, context) -> Iterator[pb.TrainResponse]:
@@ -189,7 +262,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                                     f"(limit {self.limits.max_streams})")
         try:
             for request in request_iterator:
-                yield self._train(request)
+                yield self._train(request, context)
         finally:
             self._streams.release()
 
@@ -203,13 +276,13 @@ class LearnerService(pb_grpc.LearnerServicer):
             result = learner.compute_entropy(actions, slot, request.alpha)
             return pb.EntropyResponse(entropy=result.entropy, ema=result.ema, slot=result.slot,
                                       key=request.key)
-        return self._keyed(request.key, pb.EntropyResponse, apply)
+        return self._keyed(request.key, pb.EntropyResponse, apply, context)
 
     @_rpc
     def Act(self, request, context):
         learner = self.learner
         h = _required(request, "h")
-        with self._apply_lock:
+        with self._admit(context, changes=False):
             q = learner.q_values(h, request.target)   # [B, N]
             version = learner.step_count
         return pb.ActResponse(q_values=encode(q, "q_values"),
@@ -232,13 +305,12 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     @_rpc
     def SaveCheckpoint(self, request, context):
-        learner = self.learner
-        if self._checkpoint is None:
-            raise Unsupported("checkpoints are not enabled on this server")
-        with self._apply_lock:
-            path = self._checkpoint(learner)
-            step = learner.step_count
-        return pb.SaveCheckpointResponse(path=path, step=step)
+        self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
+        if self.checkpoints is None:
+            raise CheckpointsOff("checkpoints are off: the server was started without "
+                                 "--checkpoint-dir")
+        path, step = self.checkpoints.save()
+        return pb.SaveCheckpointResponse(path=str(path), step=step)
 
     @_rpc
     def GetInfo(self, request, context):

@@ -82,7 +82,7 @@ def test_act_weights_isv_entropy_and_info_match_the_local_learner(client, local,
 
     info = client.info()
     assert (info.backend, info.config, info.step, info.version) == ("reference", SMALL, 1, 1)
-    with pytest.raises(errors.Unimplemented):
+    with pytest.raises(errors.FailedPrecondition, match="--checkpoint-dir"):
         client.save_checkpoint()
 
 

@@ -132,8 +132,9 @@ class LearnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Write a checkpoint of the whole state now. UNIMPLEMENTED on a server
-        without checkpoints.
+        """Write a checkpoint of the whole state (and the idempotency records) now;
+        returns once it is durable. FAILED_PRECONDITION on a server without a
+        checkpoint directory.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
