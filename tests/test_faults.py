@@ -1,0 +1,242 @@
+"""Faults through a real `duelq serve` process: SIGKILL and SIGTERM mid-stream, restart.
+
+What is checked, with the reference backend and a sequential replay as the oracle:
+
+* after SIGKILL, the newest checkpoint holds exactly the batches whose answers
+  (first acknowledgement, or a replayed one after the restart) carry a step at
+  or below its step, bit for bit; every batch gets exactly one answer; the
+  restarted server continues from the checkpoint and a key applied before it
+  is answered ``replayed``, not applied again;
+* after SIGTERM mid-stream, nothing acknowledged is lost and the resumed run is
+  bit-identical to one never stopped;
+* a client killed mid-stream costs only its own stream.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from duelq.client import LearnerClient, encode_batch
+from duelq.server.checkpoint import read_latest
+from duelq.server.learner import Learner
+from duelq.server.state import LearnerState
+from duelq.v1 import learner_pb2 as pb
+from duelq.v1 import learner_pb2_grpc as pb_grpc
+
+from conftest import SMALL, random_batch
+
+#: `duelq serve` flags that make the SMALL config.
+SMALL_FLAGS = ("--hidden-dim", str(SMALL.hidden_dim), "--n-actions", str(SMALL.n_actions),
+               "--lr", str(SMALL.lr), "--step-entropy-slot", SMALL.step_entropy_slot)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A `duelq serve` subprocess on a fixed port; stderr is collected by a thread."""
+
+    def __init__(self, port: int, *flags: str):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "duelq.server.cli", "serve", "--port", str(port),
+             "--backend", "reference", "--grace-s", "1", *SMALL_FLAGS, *flags],
+            stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.target = f"127.0.0.1:{port}"
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_serving(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while "serving duelq.v1.Learner" not in self.log:
+            assert self.process.poll() is None, self.log
+            assert time.monotonic() < deadline, self.log
+            time.sleep(0.02)
+
+    def stop(self, signum: int, timeout: float = 30) -> int:
+        self.process.send_signal(signum)
+        code = self.process.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+class CountingClient(LearnerClient):
+    """A LearnerClient that counts its reconnection back-offs (one per failed attempt)."""
+
+    reconnects = 0
+
+    def _sleep(self, attempt: int) -> None:
+        self.reconnects += 1
+        super()._sleep(attempt)
+
+
+def replay(order: list) -> LearnerState:
+    """The state after applying ``order`` (batches) one by one, never stopped."""
+    learner = Learner(SMALL, backend="reference")
+    for batch in order:
+        learner.step(batch)
+    return learner.snapshot()
+
+
+def test_sigkill_mid_stream_loses_nothing_acknowledged_before_the_last_checkpoint(tmp_path):
+    actors, per_actor, kill_after = 3, 120, 150
+    port, directory = free_port(), tmp_path / "ckpt"
+    batches = {a: [random_batch(np.random.default_rng(10 + a), 8) for _ in range(per_actor)]
+               for a in range(actors)}
+    answers: dict[int, list[tuple[int, int, int, bool, int]]] = {a: [] for a in range(actors)}
+    failures: list[BaseException] = []
+
+    def actor(a: int) -> None:
+        try:
+            with CountingClient(f"127.0.0.1:{port}", actor_id=f"actor-{a}", retries=60,
+                                backoff=0.05, max_backoff=0.25) as client:
+                for i, r in enumerate(client.train_stream(batches[a], window=4)):
+                    life = 2 if client.reconnects else 1
+                    answers[a].append((i, r.seq, r.step, r.replayed, life))
+                    time.sleep(0.002)  # actors that also act: the kill lands mid-stream
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            failures.append(exc)
+
+    first = Served(port, "--checkpoint-dir", str(directory), "--checkpoint-every-steps", "40")
+    second = None
+    try:
+        first.wait_serving()
+        threads = [threading.Thread(target=actor, args=(a,)) for a in range(actors)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while sum(map(len, answers.values())) < kill_after and time.monotonic() < deadline:
+            time.sleep(0.005)
+        first.process.send_signal(signal.SIGKILL)
+        assert first.process.wait(10) == -signal.SIGKILL
+        acked_before_kill = max(s for a in answers.values() for _, _, s, _, _ in a)
+        saved = read_latest(directory, SMALL)
+        assert saved is not None, first.log
+        S = saved.state.step
+        assert 40 <= S <= acked_before_kill + 4 * actors
+
+        second = Served(port, "--checkpoint-dir", str(directory))
+        for t in threads:
+            t.join(90)
+        assert not failures, (failures, second.log)
+        assert f"resuming from {saved.path}: step {S}" in second.log
+
+        # Every batch answered exactly once, in order, under its own key.
+        for a in range(actors):
+            assert [(i, seq) for i, seq, *_ in answers[a]] == [(i, i + 1) for i in range(per_actor)]
+        by_step: dict[int, tuple[int, int]] = {}
+        lost = 0
+        for a, rows in answers.items():
+            for i, _, step, replayed, life in rows:
+                if step <= S:                 # in the checkpoint: acked before, or replayed after
+                    assert step not in by_step
+                    by_step[step] = (a, i)
+                elif life == 1:               # acknowledged after the checkpoint: lost with the kill
+                    lost += 1
+                else:                         # applied by the restarted server
+                    assert not replayed and step not in by_step
+                    by_step[step] = (a, i)
+        final = S + sum(1 for rows in answers.values() for *_, step, replayed, life in rows
+                        if life == 2 and step > S)
+        assert sorted(by_step) == list(range(1, final + 1))
+        in_checkpoint = [batches[a][i] for a, i in (by_step[s] for s in range(1, S + 1))]
+        assert saved.state.checksum() == replay(in_checkpoint).checksum()
+
+        # A key applied before the checkpoint is answered from the restored records.
+        a, i = by_step[S]
+        request = encode_batch(batches[a][i])
+        request.key.CopyFrom(pb.RequestKey(actor_id=f"actor-{a}", seq=i + 1))
+        with grpc.insecure_channel(second.target) as channel:
+            again = pb_grpc.LearnerStub(channel).TrainStep(request, timeout=10)
+            info = pb_grpc.LearnerStub(channel).GetInfo(pb.GetInfoRequest(), timeout=10)
+        assert (again.replayed, again.step, info.step) == (True, S, final)
+
+        assert second.stop(signal.SIGTERM) == 0, second.log
+        end = read_latest(directory, SMALL)
+        assert end.state.step == final
+        order = [batches[a][i] for a, i in (by_step[s] for s in range(1, final + 1))]
+        assert end.state.checksum() == replay(order).checksum()
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+
+
+def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_path):
+    port, directory, count = free_port(), tmp_path / "ckpt", 160
+    rng = np.random.default_rng(3)
+    batches = [random_batch(rng, 8) for _ in range(count)]
+    answers: list[tuple[int, int, bool, int]] = []
+    failures: list[BaseException] = []
+
+    def actor() -> None:
+        try:
+            with CountingClient(f"127.0.0.1:{port}", actor_id="solo", retries=60, backoff=0.05,
+                                max_backoff=0.25) as client:
+                for r in client.train_stream(batches, window=8):
+                    answers.append((r.seq, r.step, r.replayed, 2 if client.reconnects else 1))
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            failures.append(exc)
+
+    first = Served(port, "--checkpoint-dir", str(directory))
+    second = None
+    try:
+        first.wait_serving()
+        thread = threading.Thread(target=actor)
+        thread.start()
+        while len(answers) < 60 and thread.is_alive():
+            time.sleep(0.002)
+        assert first.stop(signal.SIGTERM) == 0, first.log
+        assert "SIGTERM received" in first.log and "final checkpoint" in first.log
+        stopped = read_latest(directory, SMALL)
+        second = Served(port, "--checkpoint-dir", str(directory))
+        thread.join(90)
+        assert not failures, (failures, second.log)
+
+        # Drained: everything acknowledged by the first server is in its final checkpoint.
+        assert max(step for _, step, _, life in answers if life == 1) <= stopped.state.step
+        assert f"resuming from {stopped.path}: step {stopped.state.step}" in second.log
+        # One stream, nothing lost: batch k is step k, whichever server answered it.
+        assert [(seq, step) for seq, step, _, _ in answers] == [(k, k) for k in range(1, count + 1)]
+        assert any(life == 2 for *_, life in answers)
+
+        assert second.stop(signal.SIGTERM) == 0, second.log
+        end = read_latest(directory, SMALL)
+        never_stopped = replay(batches)
+        assert end.state.step == count
+        assert end.state.checksum() == never_stopped.checksum()
+        assert np.array_equal(end.state.params.W_a, never_stopped.params.W_a)
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
