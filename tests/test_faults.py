@@ -240,3 +240,66 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
         first.kill()
         if second is not None:
             second.kill()
+
+
+DOOMED = textwrap.dedent("""
+    import itertools, sys
+    import numpy as np
+    from duelq.client import LearnerClient
+    from conftest import random_batch
+    rng = np.random.default_rng(0)
+    batches = (random_batch(rng, 8) for _ in itertools.count())
+    with LearnerClient(sys.argv[1], actor_id="doomed") as client:
+        for result in client.train_stream(batches, window=8):
+            print("acked", result.seq, flush=True)
+""")
+
+
+def test_a_client_killed_mid_stream_costs_only_its_own_stream(make_server):
+    server = make_server(max_streams=2, max_rpcs=4)
+    doomed = subprocess.Popen([sys.executable, "-c", DOOMED, server.target],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+    steady_results, failures = [], []
+
+    def paced(rng):
+        for _ in range(150):
+            time.sleep(0.01)
+            yield random_batch(rng, 8)
+
+    def steady() -> None:
+        try:
+            with LearnerClient(server.target, actor_id="steady") as client:
+                steady_results.extend(client.train_stream(paced(np.random.default_rng(1)),
+                                                          window=4))
+        except BaseException as exc:  # noqa: BLE001 — reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=steady)
+    try:
+        for line in doomed.stdout:           # both streams are open and training
+            if line.startswith("acked 30"):
+                break
+        thread.start()
+        while len(steady_results) < 5 and thread.is_alive():
+            time.sleep(0.01)
+        doomed.kill()
+        doomed.wait(10)
+        # Its stream slot comes back while the steady stream goes on: a new stream fits.
+        deadline, opened = time.monotonic() + 10, None
+        with LearnerClient(server.target, actor_id="newcomer") as client:
+            while opened is None:
+                try:
+                    opened = list(client.train_stream([random_batch(np.random.default_rng(2),
+                                                                    8)]))
+                except Exception:  # noqa: BLE001 — RESOURCE_EXHAUSTED until the slot is freed
+                    assert time.monotonic() < deadline, "the killed client's stream slot leaked"
+                    time.sleep(0.05)
+        assert thread.is_alive(), "the steady stream ended before the check"
+        thread.join(30)
+    finally:
+        doomed.kill()
+    assert not failures
+    steps = [r.step for r in steady_results]
+    assert len(steps) == 150 and steps == sorted(steps) and len(set(steps)) == 150
+    assert not any(r.replayed for r in steady_results)
+    assert server.learner.step_count >= 30 + 150 + 1
