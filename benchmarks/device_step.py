@@ -157,7 +157,7 @@ def bench_step(B: int, timer: Timer, torch, rng) -> dict:
     check(f"duelq loss B={B}", got.loss, want.loss)
     check(f"duelq grad_norm B={B}", got.grad_norm, want.grad_norm)
     assert np.allclose(got.td_errors, want.td_errors, rtol=1e-3, atol=1e-4)
-    row = {"B": B, "blocks": backend.grid(B)[0], "row_tile": backend.row_tile}
+    row = {"B": B, "blocks": backend.grid(B)[0], "row_tile": backend.step_kernel(B).row_tile}
 
     stream = backend.stream  # every variant runs on this one stream
     backend.stage(batch)
@@ -186,20 +186,22 @@ def bench_step(B: int, timer: Timer, torch, rng) -> dict:
     return row
 
 
-def bench_row_tiles(timer: Timer, rng, B: int = 1024) -> dict:
-    """Step device time at B for a few ROW_TILE choices (the shape of the grid)."""
+def bench_row_tiles(timer: Timer, rng, sizes=(1024, 16384), tiles=(8, 16, 32)) -> dict:
+    """Step device time for a few ROW_TILE choices (the shape of the grid)."""
     config = LearnerConfig()
     state = LearnerState.initial(config)
-    batch = random_batch(rng, B, config.hidden_dim, config.n_actions)
-    _, want = reference.train_step(state, batch, config, np.float64)
     out = {}
-    for tile in (4, 8, 16, 32):
-        backend = CudaBackend(config, state, row_tile=tile)
-        check(f"row_tile={tile} loss", backend.propose(batch).loss, want.loss)
-        backend.discard()
-        backend.stage(batch)
-        out[tile] = {"blocks": backend.grid(B)[0],
-                     "us": timer.device_us(backend.stream, lambda: backend.launch(B, True))}
+    for B in sizes:
+        batch = random_batch(rng, B, config.hidden_dim, config.n_actions)
+        _, want = reference.train_step(state, batch, config, np.float64)
+        for tile in tiles:
+            backend = CudaBackend(config, state, row_tile=tile)
+            check(f"B={B} row_tile={tile} loss", backend.propose(batch).loss, want.loss)
+            backend.discard()
+            backend.stage(batch)
+            out[f"B{B}/tile{tile}"] = {
+                "blocks": backend.grid(B)[0],
+                "us": timer.device_us(backend.stream, lambda: backend.launch(B, True))}
     return out
 
 
@@ -248,12 +250,12 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     tiles = bench_row_tiles(timer, rng)
-    print("row tiles at B=1024:", json.dumps(tiles), flush=True)
+    print("row tiles:", json.dumps(tiles), flush=True)
     entropy = bench_entropy(timer, rng)
     print("entropy:", json.dumps(entropy), flush=True)
 
     result = {"device": device, "config": LearnerConfig().to_dict(), "k": args.k,
-              "reps": args.reps, "step": rows, "row_tiles_b1024": tiles, "entropy": entropy}
+              "reps": args.reps, "step": rows, "row_tiles": tiles, "entropy": entropy}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "device_step.json").write_text(json.dumps(result, indent=1))
     print_table(result)
@@ -281,9 +283,9 @@ def print_table(r: dict) -> None:
     e = r["entropy"]
     print(f"| entropy M={e['M']} | {f(e['duelq_us'])} | seed {f(e['seed_us'])} | | "
           f"seed/duelq {ratio(e['seed_us'], e['duelq_us'])} | | | | |")
-    tiles = ", ".join(f"{t}: {v['us']:.1f} µs ({v['blocks']} blocks)"
-                      for t, v in r["row_tiles_b1024"].items())
-    print(f"ROW_TILE at B=1024: {tiles}")
+    tiles = ", ".join(f"{t} {v['us']:.1f} µs ({v['blocks']} blocks)"
+                      for t, v in r["row_tiles"].items())
+    print(f"ROW_TILE sweep: {tiles}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,26 @@
 // action_entropy.cu — entropy of an actions buffer folded into an ISV slot as an EMA (DESIGN §3).
 //
-// One block of ENT_THREADS threads. Histogram: each warp counts 32 actions at a time with
-// __match_any_sync; the lowest lane of each group of equal actions adds the group size to
-// the warp's own shared-memory row (distinct actions → distinct addresses, no atomics).
-// Rows are summed per action in warp order, and −Σ p ln p is a fixed-order block sum.
-// Actions are validated to [0, N) before launch; nothing is clamped here.
+// One block of ENT_THREADS threads. Histogram: every thread owns a private column of
+// 32-bit counters in shared memory, counts[a][thread], and counts its strided share of the
+// actions (no atomics, no two threads touching one counter). Then each warp sums its lanes'
+// counters per action with a fixed butterfly, one thread per action adds the warp totals in
+// warp order, and −Σ p ln p is a fixed-order block sum. Actions are validated to [0, N)
+// before launch; nothing is clamped here.
 // EMA: on the slot's first observation ema = H, afterwards (1−α)·ema + α·H; the observed
 // flag is explicit, never the value 0.0.
-//
-// Dynamic shared memory: (ENT_THREADS / 32) * N_ACTIONS ints.
 
 #include "dueling_common.cuh"
 
-#define ENT_THREADS 1024
-#define ENT_UNROLL 8  // actions per lane loaded at once
+// Threads: as many (≤ 1024, a multiple of 32) as keep the counters within 96 KiB.
+#define ENT_THREADS_FIT ((24576 / N_ACTIONS) / 32 * 32)
+#define ENT_THREADS (ENT_THREADS_FIT > 1024 ? 1024 : ENT_THREADS_FIT < 32 ? 32 : ENT_THREADS_FIT)
+#define ENT_SMEM_BYTES (N_ACTIONS * ENT_THREADS * 4)
+#define ENT_UNROLL 8  // actions per thread loaded at once
+
+// Read once by the host: block size and dynamic shared bytes.
+extern "C" {
+__device__ unsigned int entropy_layout[2] = {ENT_THREADS, ENT_SMEM_BYTES};
+}
 
 extern "C" __global__ void __launch_bounds__(ENT_THREADS)
 action_entropy(const int* __restrict__ actions,  // [m] in [0, N)
@@ -22,33 +29,42 @@ action_entropy(const int* __restrict__ actions,  // [m] in [0, N)
                int* __restrict__ observed,       // [S] observed flags, slot set to 1
                int slot, float alpha, float keep, // keep = 1 − α
                float* __restrict__ out) {        // [2] entropy (nats), new EMA
-    extern __shared__ int hist[];                // [ENT_THREADS / 32][N_ACTIONS]
+    extern __shared__ unsigned int counts[];     // [N_ACTIONS][ENT_THREADS]
     __shared__ double scratch[33];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int i = tid; i < (ENT_THREADS / 32) * N_ACTIONS; i += ENT_THREADS) hist[i] = 0;
+    const int tid = threadIdx.x, lane = tid & 31;
+    float prev = 0.f;
+    int seen = 0;
+    if (tid == 0) {  // in flight while the histogram is built
+        prev = isv[slot];
+        seen = observed[slot];
+    }
+    for (int i = tid; i < N_ACTIONS * ENT_THREADS; i += ENT_THREADS) counts[i] = 0u;
     __syncthreads();
 
-    int* mine = hist + warp * N_ACTIONS;
-    for (int base = warp * 32; base < m; base += ENT_THREADS * ENT_UNROLL) {
-        int x[ENT_UNROLL];  // all of this round's loads in flight before the first match
+    unsigned int* mine = counts + tid;
+    for (int base = 0; base < m; base += ENT_UNROLL * ENT_THREADS) {
+        int x[ENT_UNROLL];
 #pragma unroll
         for (int u = 0; u < ENT_UNROLL; ++u) {
-            const int i = base + u * ENT_THREADS + lane;
+            const int i = base + u * ENT_THREADS + tid;
             x[u] = i < m ? __ldg(actions + i) : -1;
         }
 #pragma unroll
-        for (int u = 0; u < ENT_UNROLL; ++u) {
-            const unsigned int peers = __match_any_sync(FULL_MASK, x[u]);
-            if (x[u] >= 0 && lane == __ffs(peers) - 1) mine[x[u]] += __popc(peers);
-            __syncwarp();
-        }
+        for (int u = 0; u < ENT_UNROLL; ++u)
+            if (x[u] >= 0) mine[x[u] * ENT_THREADS] += 1u;
     }
     __syncthreads();
 
+    // Per action: warp totals (stored over lane 0's counter), then their sum in warp order.
+    for (int k = 0; k < N_ACTIONS; ++k) {
+        const unsigned int c = warp_sum(counts[k * ENT_THREADS + tid]);
+        if (lane == 0) counts[k * ENT_THREADS + tid] = c;
+    }
+    __syncthreads();
     double term = 0.0;
     for (int k = tid; k < N_ACTIONS; k += ENT_THREADS) {
-        int c = 0;
-        for (int w = 0; w < ENT_THREADS / 32; ++w) c += hist[w * N_ACTIONS + k];
+        unsigned int c = 0;
+        for (int w = 0; w < ENT_THREADS / 32; ++w) c += counts[k * ENT_THREADS + 32 * w];
         if (c > 0) {
             const double p = (double)c / (double)m;
             term -= p * log(p);
@@ -57,7 +73,7 @@ action_entropy(const int* __restrict__ actions,  // [m] in [0, N)
     const double h = block_sum(term, scratch);
     if (tid == 0) {
         const float hf = (float)h;
-        const float ema = observed[slot] ? keep * isv[slot] + alpha * hf : hf;
+        const float ema = seen ? keep * prev + alpha * hf : hf;
         isv[slot] = ema;
         observed[slot] = 1;
         out[0] = hf;

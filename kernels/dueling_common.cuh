@@ -55,6 +55,29 @@ __device__ __forceinline__ vec_t vec_zero() {
 #endif
 }
 
+// acc += x · c, lane by lane.
+__device__ __forceinline__ void vec_fma(vec_t& acc, const vec_t x, float c) {
+#if VW == 4
+    acc.x = fmaf(x.x, c, acc.x);
+    acc.y = fmaf(x.y, c, acc.y);
+    acc.z = fmaf(x.z, c, acc.z);
+    acc.w = fmaf(x.w, c, acc.w);
+#else
+    acc = fmaf(x, c, acc);
+#endif
+}
+
+__device__ __forceinline__ void vec_add(vec_t& acc, const vec_t x) {
+#if VW == 4
+    acc.x += x.x;
+    acc.y += x.y;
+    acc.z += x.z;
+    acc.w += x.w;
+#else
+    acc += x;
+#endif
+}
+
 // Loads rows [row0, row0 + ROW_TILE) of x [*, H] into registers, every load in flight at
 // once; rows at or past row_end read as zero. Pair with stash_rows.
 __device__ __forceinline__ void fetch_rows(vec_t (&regs)[FETCH_PER_THREAD],
@@ -99,6 +122,53 @@ __device__ __forceinline__ float dot_row(const float* __restrict__ x, const floa
 #endif
 }
 
+// Dot products of two feature rows in shared memory with one weight row (shared or global).
+__device__ __forceinline__ float2 dot_rows2(const float* __restrict__ x0, const float* __restrict__ x1,
+                                            const float* __restrict__ w) {
+#if VW == 4
+    float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
+#pragma unroll 8
+    for (int c = 0; c < HIDDEN_DIM; c += 4) {
+        const float4 wv = *reinterpret_cast<const float4*>(w + c);
+        const float4 u = *reinterpret_cast<const float4*>(x0 + c);
+        const float4 v = *reinterpret_cast<const float4*>(x1 + c);
+        a0.x = fmaf(u.x, wv.x, a0.x);
+        a0.y = fmaf(u.y, wv.y, a0.y);
+        a0.z = fmaf(u.z, wv.z, a0.z);
+        a0.w = fmaf(u.w, wv.w, a0.w);
+        a1.x = fmaf(v.x, wv.x, a1.x);
+        a1.y = fmaf(v.y, wv.y, a1.y);
+        a1.z = fmaf(v.z, wv.z, a1.z);
+        a1.w = fmaf(v.w, wv.w, a1.w);
+    }
+    return make_float2((a0.x + a0.y) + (a0.z + a0.w), (a1.x + a1.y) + (a1.z + a1.w));
+#else
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll 8
+    for (int c = 0; c < HIDDEN_DIM; ++c) {
+        const float wc = w[c];
+        a0 = fmaf(x0[c], wc, a0);
+        a1 = fmaf(x1[c], wc, a1);
+    }
+    return make_float2(a0, a1);
+#endif
+}
+
+// Sum of src[i * stride] for i in [i0, i1) in index order, 8 loads in flight at a time
+// (L2 reads: data written by other blocks of this launch).
+template <typename T>
+__device__ __forceinline__ T strided_sum(const T* src, size_t stride, int i0, int i1) {
+    T s = 0;
+    for (int i = i0; i < i1; i += 8) {
+        T v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = i + u < i1 ? __ldcg(src + (size_t)(i + u) * stride) : T(0);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) s += v[u];
+    }
+    return s;
+}
+
 // Mean of the advantages A[0..N) of one row of outputs [N_OUT].
 __device__ __forceinline__ float mean_advantage(const float* out) {
     float s = 0.f;
@@ -106,8 +176,21 @@ __device__ __forceinline__ float mean_advantage(const float* out) {
     return s / (float)N_ACTIONS;
 }
 
+// Butterfly sum over aligned groups of W lanes; every lane of a group gets the same bits.
+template <int W>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
 // Butterfly sums over a warp; every lane gets the same bits (a + b == b + a).
 __device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ unsigned int warp_sum(unsigned int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;

@@ -25,8 +25,13 @@
 
 #define STAGE_WEIGHTS (N_PARAMS <= 12288)                 // θ and θ⁻ fit in shared memory
 #define WS_STRIDE (((N_PARAMS + 3) / 4) * 4)              // floats between staged sets
-#define PARAMS_PER_THREAD ((N_PARAMS + THREADS - 1) / THREADS)
-#define GRAD_IN_REGISTERS (PARAMS_PER_THREAD <= 32)
+#define WEIGHT_VECS (N_WEIGHTS / VW)                     // weight gradient as vectors
+#define VECS_PER_THREAD ((WEIGHT_VECS + THREADS - 1) / THREADS)
+#define BIAS_PER_THREAD ((N_OUT + THREADS - 1) / THREADS)
+#define GRAD_IN_REGISTERS (VECS_PER_THREAD * VW <= 32)
+// Lanes per row in the per-row stage: the smallest power of two ≥ N (up to a warp).
+#define SEG (N_ACTIONS <= 2 ? 2 : N_ACTIONS <= 4 ? 4 : N_ACTIONS <= 8 ? 8 : N_ACTIONS <= 16 ? 16 : 32)
+#define HALF_TILE ((ROW_TILE + 1) / 2)
 #define STEP_SMEM_FLOATS (ROW_TILE * (2 * HS + 4 * N_OUT + 5) + (STAGE_WEIGHTS ? 2 * WS_STRIDE : 0))
 #define QV_SMEM_FLOATS (ROW_TILE * (HS + N_OUT + 1))
 
@@ -98,12 +103,8 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrivals, unsigned in
 template <typename T>
 __device__ __forceinline__ T sum_columns(const T* src, int stride, int ncols, int G, T* red) {
     const int tid = threadIdx.x, chunks = THREADS / ncols, col = tid % ncols, ch = tid / ncols;
-    T s = 0;
-    if (ch < chunks) {
-        const int g0 = ch * G / chunks, g1 = (ch + 1) * G / chunks;
-#pragma unroll 8
-        for (int g = g0; g < g1; ++g) s += __ldcg(src + (size_t)g * stride + col);
-    }
+    const T s = ch < chunks ? strided_sum(src + col, stride, ch * G / chunks, (ch + 1) * G / chunks)
+                            : T(0);
     red[tid] = s;
     __syncthreads();
     T total = 0;
@@ -165,14 +166,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     };
     fetch(row_begin);
 
-    // This block's slice of the ISV is copied to the proposed ISV.
+    // This block's slice of the ISV is copied to the proposed ISV; the first THREADS
+    // entries are loaded now and stored once the weights are staged.
     const int isv_slice = (a.isv_size + G - 1) / G;
     const int isv_begin = min(a.isv_size, blk * isv_slice);
     const int isv_end = min(a.isv_size, isv_begin + isv_slice);
-    for (int i = isv_begin + tid; i < isv_end; i += THREADS) {
-        a.isv_next[i] = a.isv[i];
-        a.observed_next[i] = a.observed[i];
-    }
+    const int isv_i = isv_begin + tid;
+    const float isv_v = isv_i < isv_end ? a.isv[isv_i] : 0.f;
+    const int observed_v = isv_i < isv_end ? a.observed[isv_i] : 0;
 #if STAGE_WEIGHTS
     for (int base = 0; base < N_PARAMS; base += 8 * THREADS) {
         float w[16];
@@ -197,15 +198,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     const float* w_online = theta;
     const float* w_target = target;
 #endif
+    if (isv_i < isv_end) {
+        a.isv_next[isv_i] = isv_v;
+        a.observed_next[isv_i] = observed_v;
+    }
+    for (int i = isv_i + THREADS; i < isv_end; i += THREADS) {  // small grids only
+        a.isv_next[i] = a.isv[i];
+        a.observed_next[i] = a.observed[i];
+    }
     for (int k = tid; k < N_ACTIONS; k += THREADS) counts[k] = 0;
 
 #if GRAD_IN_REGISTERS
-    float acc[PARAMS_PER_THREAD];
+    vec_t acc[VECS_PER_THREAD];
+    float acc_bias[BIAS_PER_THREAD];
 #pragma unroll
-    for (int k = 0; k < PARAMS_PER_THREAD; ++k) acc[k] = 0.f;
+    for (int k = 0; k < VECS_PER_THREAD; ++k) acc[k] = vec_zero();
+#pragma unroll
+    for (int k = 0; k < BIAS_PER_THREAD; ++k) acc_bias[k] = 0.f;
 #endif
     float* my_part = a.part_grad + (size_t)blk * PARAM_STRIDE;
-    double loss_w = 0.0, q_w = 0.0;  // lane 0: this warp's rows
+    double loss_w = 0.0, q_w = 0.0;  // this lane's rows (first lane of each row group)
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int row0 = row_begin + tile * ROW_TILE;
@@ -219,104 +231,134 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         __syncthreads();
         if (tile + 1 < tiles) fetch(row0 + ROW_TILE);
 
-        // Forward: one (set, output j, row r) dot product per item; r varies fastest so a
-        // warp shares weight rows.
-        for (int item = tid; item < sets * N_OUT * ROW_TILE; item += THREADS) {
-            const int r = item % ROW_TILE, k = item / ROW_TILE;
+        // Forward: item = (set, output j, rows r and r + HALF_TILE), one weight row read for
+        // both; r varies fastest so a warp shares weight rows.
+        for (int item = tid; item < sets * N_OUT * HALF_TILE; item += THREADS) {
+            const int r = item % HALF_TILE, k = item / HALF_TILE;
             const int s = k / N_OUT, j = k - s * N_OUT;
+            const int r1 = r + HALF_TILE < ROW_TILE ? r + HALF_TILE : r;
             const float* p = (s == 1) ? w_target : w_online;
-            const float* x = (s == 0 ? ht : hn) + r * HS;
-            q[(s * ROW_TILE + r) * N_OUT + j] = dot_row(x, p + j * HIDDEN_DIM) + p[N_WEIGHTS + j];
+            const float* x = s == 0 ? ht : hn;
+            const float bias = p[N_WEIGHTS + j];
+            const float2 d = dot_rows2(x + r * HS, x + r1 * HS, p + j * HIDDEN_DIM);
+            q[(s * ROW_TILE + r) * N_OUT + j] = d.x + bias;
+            q[(s * ROW_TILE + r1) * N_OUT + j] = d.y + bias;
         }
         __syncthreads();
 
-        // Per row, one warp each: target action (ties → lowest index), y, δ, Huber, ∂L/∂(V, A).
-        for (int r = warp; r < ROW_TILE; r += THREADS / 32) {
-            float* cf = coef + r * N_OUT;
-            if (r >= rows) {
-                for (int j = lane; j < N_OUT; j += 32) cf[j] = 0.f;
-                continue;
-            }
-            const float* qo = q + r * N_OUT;
-            const float* qt = q + (ROW_TILE + r) * N_OUT;
-            const float* qs = a.double_dqn ? q + (2 * ROW_TILE + r) * N_OUT : qt;
+        // Per row, SEG lanes each: target action (ties → lowest index), y, δ, Huber, ∂L/∂(V, A).
+        for (int r0 = warp * (32 / SEG); r0 < ROW_TILE; r0 += THREADS / SEG) {
+            const int r = r0 + lane / SEG, sl = lane % SEG;
+            const bool in_tile = r < ROW_TILE, valid = r < rows;
+            const int rr = in_tile ? r : ROW_TILE - 1;  // lanes past the tile compute a copy
+            const float* qo = q + rr * N_OUT;
+            const float* qt = q + (ROW_TILE + rr) * N_OUT;
+            const float* qs = a.double_dqn ? q + (2 * ROW_TILE + rr) * N_OUT : qt;
             float so = 0.f, st = 0.f, ss = 0.f;
-            for (int k = lane; k < N_ACTIONS; k += 32) {
+            for (int k = sl; k < N_ACTIONS; k += SEG) {
                 so += qo[1 + k];
                 st += qt[1 + k];
                 ss += qs[1 + k];
             }
-            const float mean_o = warp_sum(so) / (float)N_ACTIONS;
-            const float mean_t = warp_sum(st) / (float)N_ACTIONS;
-            const float mean_s = warp_sum(ss) / (float)N_ACTIONS;
+            const float mean_o = group_sum<SEG>(so) / (float)N_ACTIONS;
+            const float mean_t = group_sum<SEG>(st) / (float)N_ACTIONS;
+            const float mean_s = group_sum<SEG>(ss) / (float)N_ACTIONS;
             float best_q = __int_as_float(0xff800000);  // −∞
-            int best = lane;
-            for (int k = lane; k < N_ACTIONS; k += 32) {
+            int best = sl;
+            for (int k = sl; k < N_ACTIONS; k += SEG) {
                 const float v = (qs[0] + qs[1 + k]) - mean_s;
                 if (v > best_q) { best_q = v; best = k; }
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
+            for (int o = SEG / 2; o > 0; o >>= 1) {
                 const float ov = __shfl_xor_sync(FULL_MASK, best_q, o);
                 const int oi = __shfl_xor_sync(FULL_MASK, best, o);
                 if (ov > best_q || (ov == best_q && oi < best)) { best_q = ov; best = oi; }
             }
-            const int b = row0 + r, act = row_act[r];
-            const float* f = row_f + 4 * r;
+            const int act = row_act[rr];
+            const float* f = row_f + 4 * rr;
             const float q_next = (qt[0] + qt[1 + best]) - mean_t;
             const float y = f[0] + (f[2] * (1.f - f[1])) * q_next;
             const float q_taken = (qo[0] + qo[1 + act]) - mean_o;
             const float delta = q_taken - y;
             const float ad = fabsf(delta);
-            const float g = (f[3] * fminf(fmaxf(delta, -kappa), kappa)) / (float)B;
-            if (lane == 0) {
-                const float huber = ad <= kappa ? (0.5f * delta) * delta : kappa * (ad - 0.5f * kappa);
-                td[b] = delta;
-                prio[b] = ad + a.priority_eps;
-                loss_w += (double)(f[3] * huber);
-                q_w += (double)q_taken;
-                cf[0] = g;
+            const float g = valid ? (f[3] * fminf(fmaxf(delta, -kappa), kappa)) / (float)B : 0.f;
+            float* cf = coef + rr * N_OUT;
+            if (in_tile) {
+                if (sl == 0) {
+                    cf[0] = g;
+                    if (valid) {
+                        const float huber =
+                            ad <= kappa ? (0.5f * delta) * delta : kappa * (ad - 0.5f * kappa);
+                        td[row0 + r] = delta;
+                        prio[row0 + r] = ad + a.priority_eps;
+                        loss_w += (double)(f[3] * huber);
+                        q_w += (double)q_taken;
+                    }
+                }
+                for (int k = sl; k < N_ACTIONS; k += SEG) cf[1 + k] = g * ((k == act ? 1.f : 0.f) - inv_n);
             }
-            for (int k = lane; k < N_ACTIONS; k += 32) cf[1 + k] = g * ((k == act ? 1.f : 0.f) - inv_n);
         }
         __syncthreads();
 
         if (entropy_on)
             for (int k = tid; k < N_ACTIONS; k += THREADS)
                 for (int r = 0; r < rows; ++r) counts[k] += (row_act[r] == k);
-        // Partial gradient of this tile: ∂W[j][c] = Σ_r h[r][c]·coef[r][j], ∂b[j] = Σ_r coef[r][j].
+        // Partial gradient of this tile: ∂W[j][c] = Σ_r h[r][c]·coef[r][j] (VW columns of
+        // one row j at a time), ∂b[j] = Σ_r coef[r][j].
 #if GRAD_IN_REGISTERS
 #pragma unroll
 #else
 #pragma unroll 4
 #endif
-        for (int k = 0; k < PARAMS_PER_THREAD; ++k) {
-            const int p = tid + k * THREADS;
-            float s = 0.f;
-            if (p < N_WEIGHTS) {
+        for (int k = 0; k < VECS_PER_THREAD; ++k) {
+            const int i = tid + k * THREADS, p = i * VW;
+            vec_t s = vec_zero();
+            if (i < WEIGHT_VECS) {
                 const int j = p / HIDDEN_DIM, c = p - j * HIDDEN_DIM;
 #pragma unroll
-                for (int r = 0; r < ROW_TILE; ++r) s = fmaf(ht[r * HS + c], coef[r * N_OUT + j], s);
-            } else if (p < N_PARAMS) {
-                const int j = p - N_WEIGHTS;
+                for (int r = 0; r < ROW_TILE; ++r)
+                    vec_fma(s, *reinterpret_cast<const vec_t*>(ht + r * HS + c), coef[r * N_OUT + j]);
+            }
+#if GRAD_IN_REGISTERS
+            vec_add(acc[k], s);
+#else
+            if (i < WEIGHT_VECS) {
+                vec_t* dst = reinterpret_cast<vec_t*>(my_part + p);
+                if (tile > 0) vec_add(s, *dst);
+                *dst = s;
+            }
+#endif
+        }
+#pragma unroll
+        for (int k = 0; k < BIAS_PER_THREAD; ++k) {
+            const int j = tid + k * THREADS;
+            float s = 0.f;
+            if (j < N_OUT) {
 #pragma unroll
                 for (int r = 0; r < ROW_TILE; ++r) s += coef[r * N_OUT + j];
             }
 #if GRAD_IN_REGISTERS
-            acc[k] += s;
+            acc_bias[k] += s;
 #else
-            if (p < N_PARAMS) my_part[p] = tile == 0 ? s : my_part[p] + s;
+            if (j < N_OUT) my_part[N_WEIGHTS + j] = tile == 0 ? s : my_part[N_WEIGHTS + j] + s;
 #endif
         }
         __syncthreads();
     }
 #if GRAD_IN_REGISTERS
 #pragma unroll
-    for (int k = 0; k < PARAMS_PER_THREAD; ++k)
-        if (tid + k * THREADS < N_PARAMS) my_part[tid + k * THREADS] = acc[k];
+    for (int k = 0; k < VECS_PER_THREAD; ++k)
+        if (tid + k * THREADS < WEIGHT_VECS)
+            reinterpret_cast<vec_t*>(my_part)[tid + k * THREADS] = acc[k];
+#pragma unroll
+    for (int k = 0; k < BIAS_PER_THREAD; ++k)
+        if (tid + k * THREADS < N_OUT) my_part[N_WEIGHTS + tid + k * THREADS] = acc_bias[k];
 #endif
     if (entropy_on)
         for (int k = tid; k < N_ACTIONS; k += THREADS) a.part_counts[blk * N_ACTIONS + k] = counts[k];
+    loss_w = warp_sum(loss_w);  // lanes 0 and multiples of SEG hold row sums
+    q_w = warp_sum(q_w);
     if (lane == 0) {
         warp_stats[warp][0] = loss_w;
         warp_stats[warp][1] = q_w;
@@ -360,28 +402,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     }
     sq = block_sum(sq, scratch);
 
-    if (blk == 0) {  // batch action entropy → EMA in the proposed ISV
+    if (blk == 0 && tid == 0 && !entropy_on) head[0] = 0.f;
+    if (blk == 0 && entropy_on) {  // batch action entropy → EMA in the proposed ISV
         double term = 0.0;
-        if (entropy_on) {
-            for (int base = 0; base < N_ACTIONS; base += THREADS) {
-                const int cols = min(THREADS, N_ACTIONS - base);
-                const int c = sum_columns(a.part_counts + base, N_ACTIONS, cols, G,
-                                          reinterpret_cast<int*>(red));
-                if (tid < cols && c > 0) {
-                    const double p = (double)c / (double)B;
-                    term -= p * log(p);
-                }
+        for (int base = 0; base < N_ACTIONS; base += THREADS) {
+            const int cols = min(THREADS, N_ACTIONS - base);
+            const int c = sum_columns(a.part_counts + base, N_ACTIONS, cols, G,
+                                      reinterpret_cast<int*>(red));
+            if (tid < cols && c > 0) {
+                const double p = (double)c / (double)B;
+                term -= p * log(p);
             }
         }
         const double entropy = block_sum(term, scratch);
-        if (tid == 0) {
-            head[0] = (float)entropy;
-            if (entropy_on) {  // slot copied in phase 1; barrier-ordered before this write
-                const int s = a.entropy_slot;
-                const float h = (float)entropy;
-                a.isv_next[s] = a.observed[s] ? a.ent_keep * a.isv[s] + a.ent_alpha * h : h;
-                a.observed_next[s] = 1;
-            }
+        if (tid == 0) {  // the slot was copied in phase 1, before the barrier
+            const int s = a.entropy_slot;
+            const float h = (float)entropy;
+            head[0] = h;
+            a.isv_next[s] = a.observed[s] ? a.ent_keep * a.isv[s] + a.ent_alpha * h : h;
+            a.observed_next[s] = 1;
         }
     }
 
@@ -389,10 +428,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     if (a.max_norm > 0.0) {  // clipping needs the global norm: one more grid barrier
         if (tid == 0) a.part_sq[blk] = sq;
         grid_barrier(a.arrivals, a.epoch + 1);
-        if (tid < 32) {
-            double total = 0.0;
-            for (int g = tid; g < G; g += 32) total += __ldcg(a.part_sq + g);
-            total = warp_sum(total);
+        if (tid < 32) {  // lane l adds blocks [l·G/32, (l+1)·G/32), then a fixed butterfly
+            const double total = warp_sum(strided_sum(a.part_sq, 1, tid * G / 32, (tid + 1) * G / 32));
             if (tid == 0) shared_scale = (float)fmin(1.0, a.max_norm / (sqrt(total) + 1e-6));
         }
         __syncthreads();

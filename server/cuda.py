@@ -27,7 +27,6 @@ from .config import LearnerConfig
 from .state import LearnerState, Params
 
 THREADS = 256             # threads per block of learner_step and q_values
-ENT_THREADS = 1024        # threads of the single action_entropy block
 STATIC_SMEM_SLACK = 4096  # bytes of static shared memory besides the per-action counts
 
 
@@ -73,6 +72,15 @@ class StepArgs(ctypes.Structure):
         "isv_size", "entropy_slot")] + [(name, ctypes.c_float) for name in (
         "kappa", "priority_eps", "lr", "beta1", "beta2", "adam_eps", "step_size", "sqrt_bc2",
         "tau", "ent_alpha", "ent_keep")]
+
+
+@dataclass(frozen=True)
+class StepKernel:
+    """One compiled shape of learner_step."""
+
+    row_tile: int         # feature rows per shared-memory tile
+    fn: cp.RawKernel      # the kernel
+    smem: int             # its dynamic shared memory, bytes
 
 
 @dataclass
@@ -122,7 +130,8 @@ class CudaBackend(Backend):
         self.device = name.decode() if isinstance(name, bytes) else name
         # One resident block per SM always fits: the cooperative launch's grid limit.
         self.max_blocks = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
-        self._compile(row_tile, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))
+        max_smem = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
+        self._compile(row_tile, max_smem)
         self.stream = cp.cuda.Stream(non_blocking=True)
         with self.stream:
             self._slots = [_Slot(cp.zeros((4, self.stride), np.float32),
@@ -146,27 +155,39 @@ class CudaBackend(Backend):
         self.load(state)
 
     def _compile(self, row_tile: int | None, max_smem: int) -> None:
-        """Compile the kernels (the kernel's default row tile unless given), halving the
-        row tile until its shared memory fits."""
+        """Compile the kernels: learner_step at the kernel's default row tile (halved until
+        its shared memory fits) and at twice that for batches of more than one tile per SM,
+        or at ``row_tile`` alone when given."""
         H, N = self.config.hidden_dim, self.config.n_actions
         sizes = (f"-DHIDDEN_DIM={H}", f"-DN_ACTIONS={N}")
-        while True:
-            tile = () if row_tile is None else (f"-DROW_TILE={row_tile}",)
-            module = cp.RawModule(code=kernel_source("learner_step.cu"), options=sizes + tile)
+
+        def build(tile: int | None):
+            options = sizes + (() if tile is None else (f"-DROW_TILE={tile}",))
+            module = cp.RawModule(code=kernel_source("learner_step.cu"), options=options)
             layout = cp.ndarray(5, np.uint32, module.get_global("learner_layout")).get()
-            n_params, self.stride, self._step_smem, self._qv_smem, row_tile = map(int, layout)
-            if self._step_smem + 4 * N + STATIC_SMEM_SLACK <= max_smem or row_tile == 1:
-                break
-            row_tile //= 2
+            return module, [int(x) for x in layout]
+
+        def fits(layout) -> bool:
+            return layout[2] + 4 * N + STATIC_SMEM_SLACK <= max_smem
+
+        module, layout = build(row_tile)
+        while not fits(layout) and layout[4] > 1:
+            module, layout = build(layout[4] // 2)
+        n_params, self.stride, _, self._qv_smem, self._qv_tile = layout
         assert n_params == (N + 1) * (H + 1), "kernel and host disagree on the layout"
-        self.row_tile = row_tile
-        self._step_fn = module.get_function("learner_step")
         self._qv_fn = module.get_function("q_values")
-        self._ent_fn = cp.RawModule(code=kernel_source("action_entropy.cu"),
-                                    options=sizes).get_function("action_entropy")
-        self._ent_smem = 4 * (ENT_THREADS // 32) * N
-        for fn, smem in ((self._step_fn, self._step_smem), (self._qv_fn, self._qv_smem),
-                         (self._ent_fn, self._ent_smem)):
+        self._steps = [StepKernel(layout[4], module.get_function("learner_step"), layout[2])]
+        if row_tile is None:
+            big, big_layout = build(2 * layout[4])
+            if fits(big_layout):
+                self._steps.append(StepKernel(big_layout[4], big.get_function("learner_step"),
+                                              big_layout[2]))
+        entropy = cp.RawModule(code=kernel_source("action_entropy.cu"), options=sizes)
+        self._ent_fn = entropy.get_function("action_entropy")
+        self._ent_threads, self._ent_smem = (
+            int(x) for x in cp.ndarray(2, np.uint32, entropy.get_global("entropy_layout")).get())
+        for fn, smem in [(k.fn, k.smem) for k in self._steps] + [
+                (self._qv_fn, self._qv_smem), (self._ent_fn, self._ent_smem)]:
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
 
@@ -217,14 +238,21 @@ class CudaBackend(Backend):
                 self._act_out = cp.empty(B * N, np.float32)
             h_dev = cp.asarray(np.ascontiguousarray(h, np.float32))
             params = self._slots[self._cur].params[1 if target else 0]
-            self._qv_fn(((B + self.row_tile - 1) // self.row_tile,), (THREADS,),
+            self._qv_fn(((B + self._qv_tile - 1) // self._qv_tile,), (THREADS,),
                         (params, h_dev, self._act_out, np.int32(B)), shared_mem=self._qv_smem)
             return self._act_out[:B * N].get(stream=self.stream).reshape(B, N)
 
     # ---- a learner step ----------------------------------------------------------
+    def step_kernel(self, batch_size: int) -> StepKernel:
+        """The smallest row tile that needs at most one block per SM, else the largest."""
+        for kernel in self._steps:
+            if -(-batch_size // kernel.row_tile) <= self.max_blocks:
+                return kernel
+        return self._steps[-1]
+
     def grid(self, batch_size: int) -> tuple[int, int]:
         """(blocks G, rows per block R) of the step kernel for ``batch_size`` rows."""
-        blocks = min(-(-batch_size // self.row_tile), self.max_blocks)
+        blocks = min(-(-batch_size // self.step_kernel(batch_size).row_tile), self.max_blocks)
         return blocks, -(-batch_size // blocks)
 
     def stage(self, batch: Batch) -> None:
@@ -265,10 +293,11 @@ class CudaBackend(Backend):
             step_size=np.float32(c.lr / (1 - c.beta1 ** t)),
             sqrt_bc2=np.float32(np.sqrt(1 - c.beta2 ** t)),
             tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
-        self._epoch = (self._epoch + 2) & 0xFFFFFFFF  # two barriers per launch
+        self._epoch = (self._epoch + 2) & 0xFFFFFFFF  # up to two barriers per launch
+        kernel = self.step_kernel(batch_size)
         kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-        driver.launchCooperativeKernel(self._step_fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
-                                       self._step_smem, self.stream.ptr,
+        driver.launchCooperativeKernel(kernel.fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
+                                       kernel.smem, self.stream.ptr,
                                        ctypes.addressof(kernel_params))
 
     def propose(self, batch: Batch) -> StepOutputs:
@@ -309,7 +338,7 @@ class CudaBackend(Backend):
     def launch_entropy(self, actions: cp.ndarray, slot: int, alpha: float) -> None:
         """Enqueue the entropy kernel on device-resident ``actions`` [M] int32 (no sync)."""
         cur = self._slots[self._cur]
-        self._ent_fn((1,), (ENT_THREADS,),
+        self._ent_fn((1,), (self._ent_threads,),
                      (actions, np.int32(actions.shape[0]), cur.isv, cur.observed, np.int32(slot),
                       np.float32(alpha), np.float32(1.0 - alpha), self._ent_out),
                      shared_mem=self._ent_smem, stream=self.stream)
