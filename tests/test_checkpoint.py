@@ -1,28 +1,36 @@
-"""Checkpoints: bit-identical resume, atomic writes, strict refusal of bad files, save policy."""
+"""Checkpoints: bit-identical resume, atomic writes, strict refusal of bad files, save policy,
+the writer, and checkpoints through the server (SaveCheckpoint, periodic saves, resume,
+idempotency records across a restart, `duelq serve` refusing a bad checkpoint)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import safetensors
 
-from duelq.server import checkpoint
+from duelq.client import LearnerClient
+from duelq.server import checkpoint, cli
 from duelq.server.batch import Batch
-from duelq.server.checkpoint import (CheckpointError, CheckpointPolicy, TUNABLE_FIELDS,
-                                     checkpoint_name, load_checkpoint, load_latest,
+from duelq.server.checkpoint import (CheckpointError, CheckpointPolicy, CheckpointWriter,
+                                     TUNABLE_FIELDS, checkpoint_name, load_checkpoint,
+                                     load_latest, read_checkpoint, read_latest,
                                      save_checkpoint)
 from duelq.server.config import LearnerConfig
 from duelq.server.errors import InvalidArgument
 from duelq.server.learner import Learner
 from duelq.server.state import LearnerState
+
+from conftest import SMALL, random_batch
 
 CONFIG = LearnerConfig(hidden_dim=8, n_actions=3, isv_size=16, isv_slots={"ent": 5},
                        step_entropy_slot="ent", tau=0.1, target_update_period=2, seed=7)
@@ -286,3 +294,133 @@ def test_policy_either_trigger_and_off():
 def test_policy_rejects_bad_periods(kwargs, field):
     with pytest.raises(InvalidArgument, match=field):
         CheckpointPolicy(**kwargs, now=0.0)
+
+
+
+# -- extras, the writer -------------------------------------------------------------------
+
+def test_extras_round_trip_inside_the_digest(tmp_path, state):
+    blob = b'{"records": [1, 2, 3]}'
+    path = save_checkpoint(tmp_path, state, CONFIG, extras={"replay": blob, "empty": b""})
+    found = read_checkpoint(path, CONFIG)
+    assert found.extras == {"replay": blob, "empty": b""}
+    assert found.state.checksum() == state.checksum() and found.path == path
+    assert load_checkpoint(path, CONFIG).checksum() == state.checksum()
+    data = bytearray(path.read_bytes())
+    at = bytes(data).rindex(b"[1, 2, 3]")  # the extra's bytes, in the tensor data
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
+        read_latest(tmp_path, CONFIG)
+    with pytest.raises(InvalidArgument, match="extras"):
+        save_checkpoint(tmp_path, state, CONFIG, extras={"Bad Name": b""})
+
+
+def test_writer_saves_periodically_off_the_step_path_and_at_close(tmp_path):
+    learner = Learner(CONFIG, backend="reference")
+    snapshots = []
+
+    def slow_snapshot():
+        time.sleep(0.05)          # a slow snapshot must not slow the notifying thread
+        snapshots.append(learner.step_count)
+        return learner.snapshot(), {"note": str(learner.step_count).encode()}
+
+    writer = CheckpointWriter(tmp_path, CONFIG, slow_snapshot, keep=10, every_steps=4)
+    writer.start()
+    slowest = 0.0
+    for batch in batches(10):
+        learner.step(batch)
+        started = time.perf_counter()
+        writer.notify(learner.step_count)
+        slowest = max(slowest, time.perf_counter() - started)
+        time.sleep(0.08)          # let the saver catch up before the next step
+    path, step = writer.close()
+    assert slowest < 0.02 and (path.name, step) == (checkpoint_name(10), 10)
+    assert snapshots == [4, 8, 10]
+    assert sorted(os.listdir(tmp_path)) == [checkpoint_name(s) for s in (4, 8, 10)]
+    assert read_checkpoint(path, CONFIG).extras == {"note": b"10"}
+    assert writer.close() == (path, 10)   # closing twice writes nothing new
+    assert snapshots == [4, 8, 10]
+
+
+# -- through the server -------------------------------------------------------------------
+
+def test_save_checkpoint_rpc_writes_what_the_server_holds(make_server, tmp_path):
+    server = make_server(checkpoint_dir=str(tmp_path))
+    rng = np.random.default_rng(0)
+    with LearnerClient(server.target) as client:
+        for _ in range(3):
+            client.train_step(random_batch(rng, 8))
+        path, step = client.save_checkpoint()
+    assert (Path(path), step) == (tmp_path / checkpoint_name(3), 3)
+    assert load_checkpoint(path, SMALL).checksum() == server.learner.snapshot().checksum()
+
+
+def test_periodic_checkpoints_hold_exactly_the_steps_before_them(make_server, tmp_path):
+    server = make_server(checkpoint_dir=str(tmp_path), checkpoint_every_steps=5,
+                         checkpoint_keep=100)
+    rng = np.random.default_rng(1)
+    sent = [random_batch(rng, 8) for _ in range(40)]
+    with LearnerClient(server.target) as client:
+        assert [r.step for r in client.train_stream(sent, window=8)] == list(range(1, 41))
+    server.stop(0)
+    names = sorted(os.listdir(tmp_path))
+    steps = [int(name[5:17]) for name in names]
+    assert len(steps) >= 3 and steps[-1] == 40    # periodic ones, then the final one
+    oracle = Learner(SMALL, backend="reference")
+    for k, batch in enumerate(sent, 1):
+        oracle.step(batch)
+        if k in steps:
+            assert load_checkpoint(tmp_path / checkpoint_name(k), SMALL).checksum() == \
+                oracle.snapshot().checksum()
+
+
+def test_restart_keeps_applied_keys_applied(make_server, tmp_path):
+    first = make_server(checkpoint_dir=str(tmp_path))
+    rng = np.random.default_rng(2)
+    batch = random_batch(rng, 8)
+    with LearnerClient(first.target, actor_id="a") as client:
+        applied = client.train_step(batch)
+        client.compute_entropy(np.array([0, 1, 1], np.int32), "policy_entropy_ema", 0.5)
+    assert first.stop(0) == (tmp_path / checkpoint_name(1), 1)
+
+    second = make_server(checkpoint_dir=str(tmp_path))
+    assert second.learner.snapshot().checksum() == first.learner.snapshot().checksum()
+    with LearnerClient(second.target, actor_id="a") as client:
+        client.train_step(random_batch(rng, 8))  # seq 1 again: answered from the records
+        again = client.train_step(batch, seq=1)
+        assert again.replayed and (again.step, again.loss) == (1, applied.loss)
+        assert client.info().step == 1
+        entropy = client.compute_entropy(np.array([3], np.int32), "policy_entropy_ema", 0.5)
+        assert entropy.replayed                  # seq 2 was the entropy request
+        assert client.train_step(random_batch(rng, 8)).step == 2
+
+
+def _serve(*argv: str) -> int:
+    return cli.main(["serve", "--port", "0", "--backend", "reference", "--hidden-dim", "8",
+                     "--n-actions", "3", *argv])
+
+
+def test_serve_refuses_a_corrupt_or_mismatched_checkpoint_with_exit_3(tmp_path, monkeypatch,
+                                                                      capsys):
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    config = LearnerConfig(hidden_dim=8, n_actions=3)
+    learner = Learner(config, backend="reference")
+    for batch in batches(2):
+        learner.step(batch)
+    path = save_checkpoint(tmp_path, learner.snapshot(), config)
+    good = path.read_bytes()
+
+    assert _serve("--checkpoint-dir", str(tmp_path), "--lr", "0.5") == cli.EXIT_CHECKPOINT
+    err = capsys.readouterr().err
+    assert "config mismatch (lr: checkpoint 0.0001, server 0.5)" in err
+    assert "refusing to start" in err and path.name in err
+
+    path.write_bytes(good[:-8])
+    assert _serve("--checkpoint-dir", str(tmp_path)) == cli.EXIT_CHECKPOINT
+    assert "not a readable safetensors file" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == [path.name] and path.read_bytes() == good[:-8]
+
+    (tmp_path / "file").write_text("x")
+    assert _serve("--checkpoint-dir", str(tmp_path / "file")) == cli.EXIT_CHECKPOINT
+    assert "cannot use as checkpoint directory" in capsys.readouterr().err
