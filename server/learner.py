@@ -18,7 +18,7 @@ import numpy as np
 from .backend import Backend
 from .batch import Batch, validate_actions, validate_batch, validate_features
 from .config import LearnerConfig
-from .errors import InvalidArgument, NonFiniteStep
+from .errors import InvalidArgument, NonFiniteStep, ResourceExhausted
 from .state import LearnerState, Params
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class Learner:
         """[B, H] features → [B, N] float32 Q-values under θ (or θ⁻)."""
         h = validate_features(h, self.config.hidden_dim, "h")
         if h.shape[0] > self.max_batch_size:
-            raise InvalidArgument("h", f"{h.shape[0]} rows exceed the limit {self.max_batch_size}")
+            raise ResourceExhausted(f"h: {h.shape[0]} rows exceed the limit "
+                                    f"{self.max_batch_size}")
         with self._lock:
             return self.backend.q_values(h, target)
 
