@@ -34,7 +34,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from . import errors
-from .tensors import decode, encode
+from .tensors import decode, encode, tensor_fields
 
 FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -128,7 +128,7 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
     return value
 
 
-def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> pb.Tensor:
+def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> dict:
     if not isinstance(value, np.ndarray):
         raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
     if value.ndim != 2 or value.shape[0] == 0:
@@ -139,7 +139,7 @@ def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> pb
         raise _bad(name, f"must be floating point, got {value.dtype}")
     if wire != "bfloat16" and value.dtype.name != wire:
         value = value.astype(wire)
-    return encode(value, name, wire=wire)
+    return tensor_fields(value, name, wire=wire)
 
 
 def encode_batch(batch: Batch, *, feature_dtype: str = "float32") -> pb.TrainRequest:
@@ -148,13 +148,13 @@ def encode_batch(batch: Batch, *, feature_dtype: str = "float32") -> pb.TrainReq
         raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
     h_t = _features("h_t", batch.h_t, feature_dtype)
     rows = batch.h_t.shape[0]
-    request = pb.TrainRequest(
+    vectors = ("actions", "rewards", "dones", "discounts") + (
+        ("weights",) if batch.weights is not None else ())
+    # Fields as dicts, so each tensor's bytes are copied into the message once.
+    return pb.TrainRequest(
         h_t=h_t, h_tp1=_features("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
-        **{name: encode(_vector(name, getattr(batch, name), rows), name)
-           for name in ("actions", "rewards", "dones", "discounts")})
-    if batch.weights is not None:
-        request.weights.CopyFrom(encode(_vector("weights", batch.weights, rows), "weights"))
-    return request
+        **{name: tensor_fields(_vector(name, getattr(batch, name), rows), name)
+           for name in vectors})
 
 
 def _train_result(response: pb.TrainResponse) -> TrainResult:
@@ -199,12 +199,14 @@ class LearnerClient:
     ``actor_id`` names this client in idempotency keys (default
     host-pid-random).  ``feature_dtype`` is the wire dtype of h_t and h_tp1
     (float32, float16 or bfloat16; the server widens to float32).
+    ``channel_options`` are extra gRPC channel arguments, e.g. HTTP/2 window sizes.
     """
 
     def __init__(self, target: str, *, token: str | None = None, tls=None,
                  timeout: float = 30.0, retries: int = 4, backoff: float = 0.1,
                  max_backoff: float = 2.0, actor_id: str | None = None,
-                 feature_dtype: str = "float32", max_message_bytes: int = 64 << 20):
+                 feature_dtype: str = "float32", max_message_bytes: int = 64 << 20,
+                 channel_options: Sequence[tuple[str, int | str]] = ()):
         if feature_dtype not in FEATURE_WIRE_DTYPES:
             raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, "
                                         f"got {feature_dtype!r}")
@@ -219,7 +221,7 @@ class LearnerClient:
         self._issued = 0  # highest seq handed out
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes), *channel_options]
         # Redial at the pace of our own retries rather than grpc's default (1 s growing
         # to 120 s), so that a restarted server is found within about ``max_backoff``.
         options = [("grpc.initial_reconnect_backoff_ms", max(int(backoff * 1000), 10)),

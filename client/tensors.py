@@ -1,8 +1,11 @@
 """The Tensor codec: numpy arrays ↔ ``duelq.v1.Tensor`` (raw little-endian row-major bytes).
 
 Decoding checks the byte length against shape × itemsize before touching the
-data, then views the bytes with ``numpy.frombuffer`` (no per-element work,
-no copy except for bfloat16, which is widened to float32).  bfloat16 is the
+data, then views the bytes with ``numpy.frombuffer`` (no per-element work; the
+one copy is protobuf's, which hands out a field's bytes as a new object on
+each read; bfloat16 is then widened to float32).  Encoding copies once
+(``tobytes``) plus protobuf's copy into the message; build messages from
+:func:`tensor_fields` dicts, not from ready Tensors, to avoid a third.  bfloat16 is the
 upper 16 bits of a float32; it is produced by round-to-nearest-even and NaN
 stays NaN.  Used by both the client (encode requests, decode responses) and
 the server (decode requests, encode responses).
@@ -37,9 +40,18 @@ def _bad(field: str, problem: str) -> InvalidArgument:
 
 def float32_to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
     """float32 → uint16 bfloat16 bit patterns, round to nearest even; NaN stays NaN."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = a.view(np.uint32)
+    rounded = bits >> 16          # one temporary, updated in place (uint32 wraps like C)
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -47,11 +59,41 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def float16_to_float32(a: np.ndarray) -> np.ndarray:
+    """float16 → float32, exact; about 3× faster than ``astype`` (a scalar loop in NumPy).
+
+    The magnitude bits shifted into float32's place and scaled by 2^112 give the
+    value (normal and subnormal alike); the sign is put back after.  Arrays holding
+    Inf or NaN take ``astype``.
+    """
+    bits = np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
+    if bits.size == 0 or (bits & np.uint16(0x7C00)).max() == 0x7C00:
+        return a.astype(np.float32)
+    u = bits.astype(np.uint32)
+    sign = u & np.uint32(0x8000)
+    u ^= sign
+    u <<= 13
+    out = u.view(np.float32)
+    out *= np.float32(2.0 ** 112)
+    sign <<= 16
+    u |= sign
+    return out
+
+
 def encode(array: np.ndarray, field: str, *, wire: str | None = None) -> pb.Tensor:
     """A numpy array as a Tensor; ``wire`` picks the wire dtype (default: the array's).
 
     ``wire="bfloat16"`` converts float32/float16 data; otherwise the array's
     dtype must be one of :data:`WIRE_DTYPES` (or be losslessly the same kind).
+    """
+    return pb.Tensor(**tensor_fields(array, field, wire=wire))
+
+
+def tensor_fields(array: np.ndarray, field: str, *, wire: str | None = None) -> dict:
+    """The fields of :func:`encode`'s Tensor as a dict, to build a message in place.
+
+    ``pb.TrainRequest(h_t=tensor_fields(...))`` copies the data once; passing a
+    ready Tensor instead copies it a second time (protobuf merges it in).
     """
     a = np.asarray(array)
     name = wire or a.dtype.name
@@ -63,12 +105,12 @@ def encode(array: np.ndarray, field: str, *, wire: str | None = None) -> pb.Tens
     if name == "bfloat16":
         if a.dtype.kind != "f":
             raise _bad(field, f"bfloat16 needs floating-point data, got {a.dtype}")
-        data = float32_to_bfloat16_bits(a.astype(np.float32, copy=False)).astype(raw)
+        data = float32_to_bfloat16_bits(a).astype(raw, copy=False)
     else:
         if a.dtype.name != name:
             raise _bad(field, f"dtype {a.dtype} does not match wire dtype {name}")
         data = np.ascontiguousarray(a, dtype=raw)
-    return pb.Tensor(dtype=enum, shape=a.shape, data=data.tobytes())
+    return {"dtype": enum, "shape": a.shape, "data": data.tobytes()}
 
 
 def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
@@ -87,12 +129,13 @@ def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
     if any(d < 0 for d in shape):
         raise _bad(field, f"shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * raw.itemsize
-    if len(tensor.data) != expected:
-        raise _bad(field, f"has {len(tensor.data)} bytes, but shape {list(shape)} of {name} "
+    data = tensor.data  # a copy out of the message each time it is read: read it once
+    if len(data) != expected:
+        raise _bad(field, f"has {len(data)} bytes, but shape {list(shape)} of {name} "
                           f"needs {expected}")
     if name == "bool":
-        flags = np.frombuffer(tensor.data, np.uint8)
+        flags = np.frombuffer(data, np.uint8)
         if flags.size and flags.max() > 1:
             raise _bad(field, "bool bytes must be 0 or 1")
-    a = np.frombuffer(tensor.data, raw).reshape(shape)
+    a = np.frombuffer(data, raw).reshape(shape)
     return bfloat16_bits_to_float32(a) if name == "bfloat16" else a

@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from duelq.client import errors as client_errors
-from duelq.client.tensors import decode, encode
+from duelq.client.tensors import decode, encode, float16_to_float32, tensor_fields
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -114,10 +114,17 @@ def _required(message, field: str) -> np.ndarray:
     return decode(getattr(message, field), field)
 
 
+def _features(message, field: str) -> np.ndarray:
+    """A feature matrix, float16 widened to float32 here (exactly, and faster than the
+    learner's checks would: they then see float32, whose finiteness test is vectorised)."""
+    a = _required(message, field)
+    return float16_to_float32(a) if a.dtype == np.float16 else a
+
+
 def decode_batch(request: pb.TrainRequest) -> Batch:
     """The numpy Batch of a TrainRequest (size checks only; the learner checks values)."""
     weights = decode(request.weights, "weights") if request.HasField("weights") else None
-    return Batch(h_t=_required(request, "h_t"), h_tp1=_required(request, "h_tp1"),
+    return Batch(h_t=_features(request, "h_t"), h_tp1=_features(request, "h_tp1"),
                  actions=_required(request, "actions"), rewards=_required(request, "rewards"),
                  dones=_required(request, "dones"), discounts=_required(request, "discounts"),
                  weights=weights)
@@ -131,9 +138,10 @@ def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
 
 
 def train_response(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
-    response = pb.TrainResponse(
-        loss=result.loss, td_errors=encode(result.td_errors, "td_errors"),
-        priorities=encode(result.priorities, "priorities"), q_taken_mean=result.q_taken_mean,
+    response = pb.TrainResponse(  # tensors as field dicts: their bytes are copied once
+        loss=result.loss, td_errors=tensor_fields(result.td_errors, "td_errors"),
+        priorities=tensor_fields(result.priorities, "priorities"),
+        q_taken_mean=result.q_taken_mean,
         grad_norm=result.grad_norm, step=result.step, version=result.version, key=key)
     if result.entropy is not None:
         response.entropy = result.entropy
