@@ -43,8 +43,8 @@ class Timer:
 
     def __init__(self, k: int, reps: int):
         self.k, self.reps = k, reps
-        dev = cp.cuda.Device().id
-        self.clock_hz = 1e3 * cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, dev)
+        rt = cp.cuda.runtime
+        self.clock_hz = 1e3 * rt.deviceGetAttribute(rt.cudaDevAttrClockRate, cp.cuda.Device().id)
 
     def wall_us(self, stream: cp.cuda.Stream, enqueue) -> float:
         """Host launches back to back, synchronised at the end: µs per call."""
@@ -94,7 +94,8 @@ class TorchStep:
                  capturable: bool):
         self.torch, self.config = torch, config
         dev = "cuda"
-        self.theta = [torch.tensor(a, device=dev, requires_grad=True) for a in state.params.arrays()]
+        self.theta = [torch.tensor(a, device=dev, requires_grad=True)
+                      for a in state.params.arrays()]
         self.target = [torch.tensor(a, device=dev) for a in state.target.arrays()]
         self.opt = torch.optim.Adam(self.theta, lr=config.lr, betas=(config.beta1, config.beta2),
                                     eps=config.adam_eps, capturable=capturable)
@@ -114,7 +115,8 @@ class TorchStep:
         with torch.no_grad():
             q_next = self.q(self.target, self.h_tp1)
             a_star = q_next.argmax(dim=1)
-            y = self.rewards + self.discounts * (1 - self.dones) * q_next.gather(1, a_star[:, None])[:, 0]
+            q_star = q_next.gather(1, a_star[:, None])[:, 0]
+            y = self.rewards + self.discounts * (1 - self.dones) * q_star
         q_taken = self.q(self.theta, self.h_t).gather(1, self.actions[:, None])[:, 0]
         huber = torch.nn.functional.huber_loss(q_taken, y, reduction="none",
                                                delta=self.config.huber_kappa)

@@ -1,10 +1,11 @@
-// action_entropy.cu — entropy of an actions buffer folded into an ISV slot as an EMA (DESIGN §3).
+// action_entropy.cu — entropy of an actions buffer folded into an ISV slot as an EMA
+// (DESIGN §3).
 //
 // One block of ENT_THREADS threads. Histogram: every thread owns a private column of
 // 32-bit counters in shared memory, counts[a][thread], and counts its strided share of the
 // actions (no atomics, no two threads touching one counter). Then each warp sums its lanes'
-// counters per action with a fixed butterfly, one thread per action adds the warp totals in
-// warp order, and −Σ p ln p is a fixed-order block sum. Actions are validated to [0, N)
+// counters per action with a fixed butterfly, one warp per action sums the warp totals with
+// another, and −Σ p ln p is a fixed-order block sum. Actions are validated to [0, N)
 // before launch; nothing is clamped here.
 // EMA: on the slot's first observation ema = H, afterwards (1−α)·ema + α·H; the observed
 // flag is explicit, never the value 0.0.
@@ -15,7 +16,7 @@
 #define ENT_THREADS_FIT ((24576 / N_ACTIONS) / 32 * 32)
 #define ENT_THREADS (ENT_THREADS_FIT > 1024 ? 1024 : ENT_THREADS_FIT < 32 ? 32 : ENT_THREADS_FIT)
 #define ENT_SMEM_BYTES (N_ACTIONS * ENT_THREADS * 4)
-#define ENT_UNROLL 8  // actions per thread loaded at once
+#define ENT_UNROLL 16  // actions per thread loaded at once
 
 // Read once by the host: block size and dynamic shared bytes.
 extern "C" {
@@ -55,17 +56,19 @@ action_entropy(const int* __restrict__ actions,  // [m] in [0, N)
     }
     __syncthreads();
 
-    // Per action: warp totals (stored over lane 0's counter), then their sum in warp order.
+    // Per action: warp totals (stored over lane 0's counter), then one warp per action
+    // sums those totals.
+#pragma unroll 16
     for (int k = 0; k < N_ACTIONS; ++k) {
         const unsigned int c = warp_sum(counts[k * ENT_THREADS + tid]);
         if (lane == 0) counts[k * ENT_THREADS + tid] = c;
     }
     __syncthreads();
     double term = 0.0;
-    for (int k = tid; k < N_ACTIONS; k += ENT_THREADS) {
-        unsigned int c = 0;
-        for (int w = 0; w < ENT_THREADS / 32; ++w) c += counts[k * ENT_THREADS + 32 * w];
-        if (c > 0) {
+    for (int k = tid >> 5; k < N_ACTIONS; k += ENT_THREADS / 32) {
+        const unsigned int c =
+            warp_sum(lane < ENT_THREADS / 32 ? counts[k * ENT_THREADS + 32 * lane] : 0u);
+        if (lane == 0 && c > 0) {
             const double p = (double)c / (double)m;
             term -= p * log(p);
         }

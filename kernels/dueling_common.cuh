@@ -123,7 +123,8 @@ __device__ __forceinline__ float dot_row(const float* __restrict__ x, const floa
 }
 
 // Dot products of two feature rows in shared memory with one weight row (shared or global).
-__device__ __forceinline__ float2 dot_rows2(const float* __restrict__ x0, const float* __restrict__ x1,
+__device__ __forceinline__ float2 dot_rows2(const float* __restrict__ x0,
+                                            const float* __restrict__ x1,
                                             const float* __restrict__ w) {
 #if VW == 4
     float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
@@ -162,7 +163,8 @@ __device__ __forceinline__ T strided_sum(const T* src, size_t stride, int i0, in
     for (int i = i0; i < i1; i += 8) {
         T v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = i + u < i1 ? __ldcg(src + (size_t)(i + u) * stride) : T(0);
+        for (int u = 0; u < 8; ++u)
+            v[u] = i + u < i1 ? __ldcg(src + (size_t)(i + u) * stride) : T(0);
 #pragma unroll
         for (int u = 0; u < 8; ++u) s += v[u];
     }
@@ -191,11 +193,6 @@ __device__ __forceinline__ double warp_sum(double v) {
     return v;
 }
 __device__ __forceinline__ unsigned int warp_sum(unsigned int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;

@@ -30,7 +30,8 @@
 #define BIAS_PER_THREAD ((N_OUT + THREADS - 1) / THREADS)
 #define GRAD_IN_REGISTERS (VECS_PER_THREAD * VW <= 32)
 // Lanes per row in the per-row stage: the smallest power of two ≥ N (up to a warp).
-#define SEG (N_ACTIONS <= 2 ? 2 : N_ACTIONS <= 4 ? 4 : N_ACTIONS <= 8 ? 8 : N_ACTIONS <= 16 ? 16 : 32)
+#define SEG (N_ACTIONS <= 2 ? 2 : N_ACTIONS <= 4 ? 4 : N_ACTIONS <= 8 ? 8 \
+             : N_ACTIONS <= 16 ? 16 : 32)
 #define HALF_TILE ((ROW_TILE + 1) / 2)
 #define STEP_SMEM_FLOATS (ROW_TILE * (2 * HS + 4 * N_OUT + 5) + (STAGE_WEIGHTS ? 2 * WS_STRIDE : 0))
 #define QV_SMEM_FLOATS (ROW_TILE * (HS + N_OUT + 1))
@@ -76,23 +77,22 @@ struct StepArgs {
     float ent_keep;            // 1 − α
 };
 
-// Every block arrives with `target`, then waits until all G blocks have.
+// Every block arrives with `target`, then waits until all G blocks have. The block's writes
+// are ordered before its release store by the CTA barrier; acquire loads order the other
+// blocks' writes before everything after the final CTA barrier.
 __device__ __forceinline__ void grid_barrier(unsigned int* arrivals, unsigned int target) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        asm volatile("st.relaxed.gpu.u32 [%0], %1;" ::"l"(arrivals + blockIdx.x), "r"(target)
+    if (threadIdx.x == 0)
+        asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(arrivals + blockIdx.x), "r"(target)
                      : "memory");
-    }
     if (threadIdx.x < 32) {
         for (int i = threadIdx.x; i < (int)gridDim.x; i += 32) {
             unsigned int seen;
             do {
-                asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals + i)
+                asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals + i)
                              : "memory");
             } while ((int)(seen - target) < 0);
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     float* ws = reinterpret_cast<float*>(smem4);  // [2][WS_STRIDE] θ, θ⁻ (if STAGE_WEIGHTS)
     float* ht = ws + (STAGE_WEIGHTS ? 2 * WS_STRIDE : 0);  // [ROW_TILE][HS] h_t rows of the tile
     float* hn = ht + ROW_TILE * HS;               // [ROW_TILE][HS] h_tp1 rows
-    float* q = hn + ROW_TILE * HS;                // [3][ROW_TILE][N_OUT] θ(h_t), θ⁻(h_tp1), θ(h_tp1)
+    float* q = hn + ROW_TILE * HS;  // [3][ROW_TILE][N_OUT] θ(h_t), θ⁻(h_tp1), θ(h_tp1)
     float* coef = q + 3 * ROW_TILE * N_OUT;       // [ROW_TILE][N_OUT] ∂L/∂V, ∂L/∂A per row
     float* row_f = coef + ROW_TILE * N_OUT;       // [ROW_TILE][4] reward, done, discount, weight
     int* row_act = reinterpret_cast<int*>(row_f + 4 * ROW_TILE);  // [ROW_TILE]
@@ -246,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         }
         __syncthreads();
 
-        // Per row, SEG lanes each: target action (ties → lowest index), y, δ, Huber, ∂L/∂(V, A).
+        // Per row, SEG lanes each: target action (ties → lowest index), y, δ, Huber,
+        // ∂L/∂(V, A).
         for (int r0 = warp * (32 / SEG); r0 < ROW_TILE; r0 += THREADS / SEG) {
             const int r = r0 + lane / SEG, sl = lane % SEG;
             const bool in_tile = r < ROW_TILE, valid = r < rows;
@@ -296,7 +297,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
                         q_w += (double)q_taken;
                     }
                 }
-                for (int k = sl; k < N_ACTIONS; k += SEG) cf[1 + k] = g * ((k == act ? 1.f : 0.f) - inv_n);
+                for (int k = sl; k < N_ACTIONS; k += SEG)
+                    cf[1 + k] = g * ((k == act ? 1.f : 0.f) - inv_n);
             }
         }
         __syncthreads();
@@ -318,7 +320,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
                 const int j = p / HIDDEN_DIM, c = p - j * HIDDEN_DIM;
 #pragma unroll
                 for (int r = 0; r < ROW_TILE; ++r)
-                    vec_fma(s, *reinterpret_cast<const vec_t*>(ht + r * HS + c), coef[r * N_OUT + j]);
+                    vec_fma(s, *reinterpret_cast<const vec_t*>(ht + r * HS + c),
+                            coef[r * N_OUT + j]);
             }
 #if GRAD_IN_REGISTERS
             vec_add(acc[k], s);
@@ -356,7 +359,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         if (tid + k * THREADS < N_OUT) my_part[N_WEIGHTS + tid + k * THREADS] = acc_bias[k];
 #endif
     if (entropy_on)
-        for (int k = tid; k < N_ACTIONS; k += THREADS) a.part_counts[blk * N_ACTIONS + k] = counts[k];
+        for (int k = tid; k < N_ACTIONS; k += THREADS)
+            a.part_counts[blk * N_ACTIONS + k] = counts[k];
     loss_w = warp_sum(loss_w);  // lanes 0 and multiples of SEG hold row sums
     q_w = warp_sum(q_w);
     if (lane == 0) {
@@ -429,7 +433,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         if (tid == 0) a.part_sq[blk] = sq;
         grid_barrier(a.arrivals, a.epoch + 1);
         if (tid < 32) {  // lane l adds blocks [l·G/32, (l+1)·G/32), then a fixed butterfly
-            const double total = warp_sum(strided_sum(a.part_sq, 1, tid * G / 32, (tid + 1) * G / 32));
+            const double total =
+                warp_sum(strided_sum(a.part_sq, 1, tid * G / 32, (tid + 1) * G / 32));
             if (tid == 0) shared_scale = (float)fmin(1.0, a.max_norm / (sqrt(total) + 1e-6));
         }
         __syncthreads();
@@ -460,7 +465,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         target_next[p] = tg;
         m_next[p] = m1;
         v_next[p] = v1;
-        finite = finite && isfinite(g) && isfinite(th) && isfinite(tg) && isfinite(m1) && isfinite(v1);
+        finite = finite && isfinite(g) && isfinite(th) && isfinite(tg) && isfinite(m1) &&
+                 isfinite(v1);
     }
     finite = __syncthreads_and(finite);
     if (tid == 0) {
@@ -492,6 +498,7 @@ q_values(const float* __restrict__ params, const float* __restrict__ h, float* _
     for (int i = threadIdx.x; i < ROW_TILE * N_ACTIONS; i += THREADS) {
         const int r = i / N_ACTIONS, k = i - r * N_ACTIONS;
         if (row0 + r < rows)
-            q[(size_t)(row0 + r) * N_ACTIONS + k] = (va[r * N_OUT] + va[r * N_OUT + 1 + k]) - mean[r];
+            q[(size_t)(row0 + r) * N_ACTIONS + k] =
+                (va[r * N_OUT] + va[r * N_OUT + 1 + k]) - mean[r];
     }
 }

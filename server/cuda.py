@@ -7,7 +7,9 @@ pending copy from the current one, :meth:`CudaBackend.commit` swaps an index.
 
 Per step the host does one H2D copy of a packed pinned input buffer, one cooperative
 launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
-``kernels/learner_step.cu``).
+``kernels/learner_step.cu``); it then adds the G per-block loss, Q and norm partials in
+block order.  ``learner_step`` is compiled at two row tiles: the smaller serves batches
+that need at most one block per SM, the larger the rest.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def unpack_params(flat: np.ndarray, hidden_dim: int, n_actions: int) -> Params:
 
 
 class StepArgs(ctypes.Structure):
-    """Mirror of ``struct StepArgs`` in kernels/learner_step.cu, field for field."""
+    """Mirror of ``struct StepArgs`` in kernels/learner_step.cu, field for field
+    (``inputs`` is the C field ``in``)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "state", "next", "isv", "isv_next", "observed", "observed_next", "inputs", "out",
@@ -117,7 +120,11 @@ class _Staging:
 
 
 class CudaBackend(Backend):
-    """Learner state resident on the current CUDA device; kernels compiled for the config."""
+    """Learner state resident on the current CUDA device; kernels compiled for the config.
+
+    ``row_tile`` pins learner_step to one row tile (for benchmarks); by default the
+    kernel's own choice and twice it are compiled.
+    """
 
     name = "cuda"
 

@@ -56,7 +56,8 @@ def random_state(config: LearnerConfig, rng: np.random.Generator, step: int) -> 
     init = LearnerState.initial(config)
 
     def noisy(p: Params, scale: float, positive: bool = False) -> Params:
-        draw = (lambda a: rng.random(a.shape)) if positive else (lambda a: rng.standard_normal(a.shape))
+        def draw(a):
+            return rng.random(a.shape) if positive else rng.standard_normal(a.shape)
         return p.map(lambda a: (a + scale * draw(a)).astype(np.float32))
 
     adam = config.optimizer == "adam"
@@ -214,7 +215,8 @@ def test_fifty_steps_match_float64_reference(case):
 def test_pytorch_autograd_agrees():
     """Three steps from the initial state: CUDA vs torch autograd + torch.optim (float64)."""
     torch = pytest.importorskip("torch")
-    for case in (Case(1024, 128, 11, "adam", True, True, 0.5), Case(31, 64, 2, "sgd", False, False, 0.5)):
+    for case in (Case(1024, 128, 11, "adam", True, True, 0.5),
+                 Case(31, 64, 2, "sgd", False, False, 0.5)):
         rng = np.random.default_rng(7)
         config = LearnerConfig(hidden_dim=case.H, n_actions=case.N, optimizer=case.optimizer,
                                lr=1e-2, double_dqn=case.double_dqn, max_grad_norm=0.05, tau=0.1)
