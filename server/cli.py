@@ -159,6 +159,34 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(group, "env_steps", "int", 2000, "environment steps per actor with --env")
 
 
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench (--token, if set, is also sent to --target)")
+    add_flag(group, "target", "str", "", "gRPC target of a running server (host:port or "
+             "unix:///path); empty starts one in-process (needed for the null backend, the "
+             "UDS cells and the server-side overhead)")
+    add_flag(group, "batch_sizes", "str", "256,1024,4096", "comma-separated batch sizes B")
+    add_flag(group, "actors", "int", 2, "actor processes of the by-batch-size table")
+    add_flag(group, "scaling_actors", "str", "1,2,4,8", "actor counts of the scaling table; "
+             "empty skips it")
+    add_flag(group, "scaling_batch", "int", 1024, "B of the scaling table")
+    add_flag(group, "transports", "str", "tcp,uds", "tcp and/or uds (Unix-domain socket); "
+             "the first is the by-batch-size table's")
+    add_flag(group, "wire_dtypes", "str", "float32,float16,bfloat16", "feature dtypes on the "
+             "wire")
+    add_flag(group, "duration", "float", 1.5, "measured seconds per cell")
+    add_flag(group, "warmup", "float", 0.5, "unmeasured seconds before each cell")
+    add_flag(group, "window", "int", 8, "batches in flight per stream")
+    add_flag(group, "experiments", "bool", True, "also run the byte stream on grpc.aio, and "
+             "it and the null learner with larger HTTP/2 windows and with tuned malloc")
+    add_flag(group, "device_step", "bool", True, "on a cuda backend, time the device step "
+             "against PyTorch with benchmarks/device_step.py")
+    add_flag(group, "out", "str", "duelq-bench", "directory for bench.json and bench.png")
+    add_flag(group, "quick", "bool", False, "a smoke run in seconds: B=256, 1–2 actors, "
+             "0.25 s cells (overrides those flags)")
+    add_flag(group, "ready_timeout", "float", 60.0, "seconds to wait for a server to be "
+             "SERVING")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="duelq", description="A gRPC learner service for a Dueling-DQN head.",
@@ -170,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "log_format", "str", "text", "text, or json: one JSON object per line "
              "for log shippers", choices=("text", "json"))
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{serve,demo,health}")
+                                     metavar="{serve,demo,health,bench}")
 
     serve = commands.add_parser("serve", help="run a learner server until SIGINT/SIGTERM",
                                 description="Run a learner server until SIGINT or SIGTERM.")
@@ -197,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(probe, "timeout", "float", 3.0, "seconds to wait for the answer")
     add_flag(probe, "tls_ca", "str", "", "PEM CA bundle to verify a TLS server with; empty "
              "for plaintext")
+
+    bench = commands.add_parser(
+        "bench", help="throughput and latency of the service vs a bare gRPC byte stream",
+        description="Drive a learner (in-process, or --target) with actor processes through "
+                    "the client library; print throughput, latency and server overhead as "
+                    "ratios to a bare gRPC byte stream measured in the same run; write "
+                    "bench.json and bench.png under --out. Exit 1 if a cell failed.")
+    add_flag(bench, "backend", "str", "auto", "auto picks cuda when a GPU is usable; every "
+             "cell also runs on the null (no-op) backend", choices=BACKENDS)
+    add_bench_flags(bench)
+    add_dataclass_flags(bench, ServerOptions, "in-process server and limits", {"port": 0})
+    add_dataclass_flags(bench, LearnerConfig, "learner (LearnerConfig)")
     return parser
 
 
@@ -293,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(args)
         if args.command == "health":
             return health_check(args)
+        if args.command == "bench":
+            from .bench import run_bench
+            return run_bench(args, from_args(LearnerConfig, args),
+                             from_args(ServerOptions, args), argv)
         for name in DEMO_COUNTS:
             if getattr(args, name) < 1:
                 raise UsageError(f"{flag_name(name)}: must be ≥ 1")

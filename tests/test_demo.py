@@ -25,7 +25,7 @@ SMALL_DEMO = ["--actors", "3", "--steps", "12", "--batch-size", "16", "--sync-ev
 def test_help_lists_both_commands_and_every_knob(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
-    assert exit_info.value.code == 0 and "{serve,demo,health}" in capsys.readouterr().out
+    assert exit_info.value.code == 0 and "{serve,demo,health,bench}" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     text = capsys.readouterr().out

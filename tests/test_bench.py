@@ -1,0 +1,100 @@
+"""`duelq bench`: it runs and writes well-formed output.  Figures are never asserted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from duelq.server import bench, cli
+from duelq.server.learner import Learner
+from duelq.server.state import LearnerState
+
+from conftest import SMALL, random_batch
+
+ROW_KEYS = {"section", "kind", "backend", "batch", "wire", "transport", "actors", "variant",
+            "request_bytes", "response_bytes", "steps_per_s", "transitions_per_s", "mb_per_s",
+            "p50_ms", "p99_ms", "client_cpu_us", "server_cpu_us"}
+
+
+def test_quick_bench_writes_a_table_json_and_png(tmp_path):
+    out = tmp_path / "bench"
+    run = subprocess.run(
+        [sys.executable, "-m", "duelq.server.cli", "bench", "--quick", "--backend", "reference",
+         "--out", str(out), "--hidden-dim", "16", "--n-actions", "5"],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "### Throughput by batch size" in run.stdout and "÷ echo" in run.stdout
+
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result) >= {"meta", "rows", "codec_us", "goals", "device_step", "failures"}
+    assert result["failures"] == [] and result["meta"]["quick"] is True
+    rows = result["rows"]
+    assert {r["kind"] for r in rows} == {"echo", "stream", "unary"}
+    assert {r["backend"] for r in rows} == {"echo", "reference", "null"}
+    assert {r["transport"] for r in rows} == {"tcp", "uds"}
+    for row in rows:
+        assert ROW_KEYS <= set(row) and "error" not in row
+        if row["kind"] != "echo":
+            assert "vs_echo" in row and "vs_echo_f32" in row
+    assert any("server_us" in r for r in rows)   # in-process: server-side overhead
+    assert "skipped" in result["device_step"]     # no GPU in the suite
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--batch-sizes", "256,x"], "--batch-sizes"),
+    (["--batch-sizes", "0"], "--batch-sizes"),
+    (["--transports", "tcp,carrier-pigeon"], "--transports"),
+    (["--wire-dtypes", "int8"], "--wire-dtypes"),
+    (["--duration", "0"], "--duration"),
+])
+def test_bad_flags_are_usage_errors(flags, problem, capsys, tmp_path):
+    assert cli.main(["bench", "--out", str(tmp_path), *flags]) == cli.EXIT_USAGE
+    assert problem in capsys.readouterr().err
+
+
+def test_every_learner_cell_has_an_echo_ceiling_of_the_same_shape():
+    cells = bench.Plan.from_args(cli.build_parser().parse_args(["bench"])).cells(
+        "reference", in_process=True)
+    assert len(cells) == len(set(cells))
+    echo = {(c.section, c.batch, c.wire == "float32", c.transport, c.actors, c.variant)
+            for c in cells if c.kind == "echo"}
+    for c in cells:
+        if c.kind != "echo":
+            key = (c.section, c.batch, c.wire == "float32", c.transport, c.actors)
+            assert key + (c.variant,) in echo or key + ("",) in echo, c
+    # A remote target: no null backend, no UDS, no experiments (they need in-process servers).
+    remote = bench.Plan.from_args(argparse.Namespace(**{**vars(cli.build_parser().parse_args(
+        ["bench"])), "target": "localhost:1"})).cells("cuda", in_process=False)
+    assert {c.backend for c in remote} == {"echo", "cuda"}
+    assert {c.transport for c in remote} == {"target"}
+
+
+def test_ratios_divide_by_the_ceiling_of_the_same_message_size():
+    def row(kind, backend, wire, steps, B=1024):
+        return {"section": "main", "kind": kind, "backend": backend, "batch": B, "wire": wire,
+                "transport": "tcp", "actors": 2, "variant": "", "steps_per_s": steps,
+                "transitions_per_s": steps * B}
+    rows = [row("echo", "echo", "float32", 100.0), row("echo", "echo", "bfloat16", 180.0),
+            row("stream", "null", "float32", 90.0), row("stream", "null", "bfloat16", 150.0)]
+    bench.add_ratios(rows)
+    assert rows[2]["vs_echo"] == pytest.approx(0.9)
+    assert rows[3]["vs_echo"] == pytest.approx(150 / 180)
+    assert rows[3]["vs_echo_f32"] == pytest.approx(1.5)
+    assert {g["met"] for g in bench.goals(rows, "reference")} == {True, False}
+
+
+def test_null_and_timed_backends_keep_the_learner_contract():
+    rng = np.random.default_rng(0)
+    learner = Learner(SMALL, backend=bench.TimedBackend(
+        bench.NullBackend(SMALL, LearnerState.initial(SMALL))))
+    for step in (1, 2):
+        result = learner.step(random_batch(rng, 8))
+        assert result.step == step and result.td_errors.shape == (8,)
+    assert learner.backend.name == "null" and learner.backend.seconds > 0
+    assert learner.weights()[1] == 2
