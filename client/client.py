@@ -34,7 +34,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from . import errors
-from .tensors import decode, encode, tensor_fields
+from .tensors import decode, encode, tensor_fields, tensor_wire, varint
 
 FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -129,6 +129,10 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
 
 
 def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> dict:
+    return tensor_fields(_feature_array(name, value, wire, like), name, wire=wire)
+
+
+def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) -> np.ndarray:
     if not isinstance(value, np.ndarray):
         raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
     if value.ndim != 2 or value.shape[0] == 0:
@@ -139,22 +143,59 @@ def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> di
         raise _bad(name, f"must be floating point, got {value.dtype}")
     if wire != "bfloat16" and value.dtype.name != wire:
         value = value.astype(wire)
-    return tensor_fields(value, name, wire=wire)
+    return value
+
+
+#: TrainRequest's tensor fields and their field numbers (learner.proto).
+TRAIN_FIELDS = {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5, "discounts": 6,
+                "weights": 7}
+_KEY_FIELD = 8
+
+
+def _batch_arrays(batch: Batch, feature_dtype: str) -> list[tuple[str, np.ndarray, str | None]]:
+    """The checked arrays of ``batch`` in field order, each with its wire dtype."""
+    if not isinstance(batch, Batch):
+        raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
+    arrays = [("h_t", _feature_array("h_t", batch.h_t, feature_dtype), feature_dtype)]
+    rows = batch.h_t.shape[0]
+    arrays.append(("h_tp1", _feature_array("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
+                   feature_dtype))
+    vectors = ("actions", "rewards", "dones", "discounts") + (
+        ("weights",) if batch.weights is not None else ())
+    return arrays + [(name, _vector(name, getattr(batch, name), rows), None) for name in vectors]
 
 
 def encode_batch(batch: Batch, *, feature_dtype: str = "float32") -> pb.TrainRequest:
     """A TrainRequest (without key) for ``batch``; raises errors.InvalidArgument."""
-    if not isinstance(batch, Batch):
-        raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
-    h_t = _features("h_t", batch.h_t, feature_dtype)
-    rows = batch.h_t.shape[0]
-    vectors = ("actions", "rewards", "dones", "discounts") + (
-        ("weights",) if batch.weights is not None else ())
     # Fields as dicts, so each tensor's bytes are copied into the message once.
-    return pb.TrainRequest(
-        h_t=h_t, h_tp1=_features("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
-        **{name: tensor_fields(_vector(name, getattr(batch, name), rows), name)
-           for name in vectors})
+    return pb.TrainRequest(**{name: tensor_fields(a, name, wire=wire)
+                              for name, a, wire in _batch_arrays(batch, feature_dtype)})
+
+
+def _wire_request(arrays: list[tuple[str, np.ndarray, str | None]], actor_id: str,
+                  seq: int) -> bytes:
+    """The serialised TrainRequest of checked ``arrays`` with key (actor_id, seq).
+
+    Built in protobuf's wire format directly: each array's buffer is copied once,
+    into the joined bytes, where ``encode_batch(...).SerializeToString()`` copies
+    it three times (tobytes, into the message, out of it).  It parses to the same
+    message.
+    """
+    parts: list = []
+    for name, array, wire in arrays:
+        parts += tensor_wire(TRAIN_FIELDS[name], array, name, wire=wire)
+    actor = actor_id.encode()
+    key = (b"\x0a" + varint(len(actor)) + actor if actor else b"") + (
+        b"\x10" + varint(seq) if seq else b"")
+    if key:
+        parts.append(varint(_KEY_FIELD << 3 | 2) + varint(len(key)) + key)
+    return b"".join(parts)
+
+
+def encode_batch_wire(batch: Batch, *, feature_dtype: str = "float32", actor_id: str = "",
+                      seq: int = 0) -> bytes:
+    """``encode_batch`` with key (actor_id, seq), serialised with one copy of the data."""
+    return _wire_request(_batch_arrays(batch, feature_dtype), actor_id, seq)
 
 
 def _train_result(response: pb.TrainResponse) -> TrainResult:
@@ -232,6 +273,14 @@ class LearnerClient:
                          else grpc.insecure_channel(target, options))
         self._stub = pb_grpc.LearnerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        # Train requests go out already serialised (see _wire_request): no serializer.
+        service = pb.DESCRIPTOR.services_by_name["Learner"].full_name
+        self._train_step = self._channel.unary_unary(
+            f"/{service}/TrainStep", request_serializer=None,
+            response_deserializer=pb.TrainResponse.FromString)
+        self._train_stream = self._channel.stream_stream(
+            f"/{service}/TrainStream", request_serializer=None,
+            response_deserializer=pb.TrainResponse.FromString)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -286,13 +335,13 @@ class LearnerClient:
         if seq is not None and not (isinstance(seq, int) and 1 <= seq <= self._issued):
             raise _bad("seq", f"must be a sequence number this client has used "
                               f"(1..{self._issued}), got {seq!r}")
-        request = encode_batch(batch, feature_dtype=self.feature_dtype)
-        request.key.CopyFrom(self._key() if seq is None
-                             else pb.RequestKey(actor_id=self.actor_id, seq=seq))
+        arrays = _batch_arrays(batch, self.feature_dtype)
+        seq = self._key().seq if seq is None else seq
         try:
-            return _train_result(self._call(self._stub.TrainStep, request))
+            return _train_result(self._call(self._train_step,
+                                            _wire_request(arrays, self.actor_id, seq)))
         except errors.DuelqError as exc:
-            exc.seq = request.key.seq
+            exc.seq = seq
             raise
 
     def train_stream(self, batches: Iterable[Batch], *, window: int = 8) -> Iterator[TrainResult]:
@@ -307,14 +356,14 @@ class LearnerClient:
         if window < 1:
             raise _bad("window", f"must be ≥ 1, got {window}")
         source = iter(batches)
-        pending: deque[pb.TrainRequest] = deque()  # sent (or to resend), not answered
+        pending: deque[tuple[int, bytes]] = deque()  # (seq, request) sent, not answered
         local_error: errors.DuelqError | None = None
         failures = 0
         while True:
             feed: queue.SimpleQueue = queue.SimpleQueue()
-            call = self._stub.TrainStream(iter(feed.get, None), metadata=self._metadata)
+            call = self._train_stream(iter(feed.get, None), metadata=self._metadata)
             try:
-                for request in pending:
+                for _, request in pending:
                     feed.put(request)
                 while True:
                     while local_error is None and len(pending) < window:
@@ -322,12 +371,13 @@ class LearnerClient:
                         if batch is None:
                             break
                         try:
-                            request = encode_batch(batch, feature_dtype=self.feature_dtype)
+                            arrays = _batch_arrays(batch, self.feature_dtype)
                         except errors.InvalidArgument as exc:
                             local_error = exc
                             break
-                        request.key.CopyFrom(self._key())
-                        pending.append(request)
+                        seq = self._key().seq
+                        request = _wire_request(arrays, self.actor_id, seq)
+                        pending.append((seq, request))
                         feed.put(request)
                     if not pending:
                         feed.put(None)  # half-close; the server ends the stream
@@ -339,10 +389,10 @@ class LearnerClient:
                     response = next(call, None)
                     if response is None:
                         raise errors.ServerError("TrainStream ended with requests unanswered")
-                    request = pending.popleft()
-                    if response.key.seq != request.key.seq:
+                    seq, _ = pending.popleft()
+                    if response.key.seq != seq:
                         raise errors.ServerError(f"TrainStream answered seq {response.key.seq} "
-                                                 f"for seq {request.key.seq}")
+                                                 f"for seq {seq}")
                     failures = 0
                     yield _train_result(response)
             except grpc.RpcError as error:

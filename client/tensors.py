@@ -95,6 +95,14 @@ def tensor_fields(array: np.ndarray, field: str, *, wire: str | None = None) -> 
     ``pb.TrainRequest(h_t=tensor_fields(...))`` copies the data once; passing a
     ready Tensor instead copies it a second time (protobuf merges it in).
     """
+    enum, shape, data = wire_array(array, field, wire=wire)
+    return {"dtype": enum, "shape": shape, "data": data.tobytes()}
+
+
+def wire_array(array: np.ndarray, field: str, *,
+               wire: str | None = None) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """:func:`encode`'s checks and conversion: (dtype enum, shape, the raw data as a
+    C-contiguous little-endian array), without copying data that is already so."""
     a = np.asarray(array)
     name = wire or a.dtype.name
     if name not in WIRE_DTYPES:
@@ -110,7 +118,35 @@ def tensor_fields(array: np.ndarray, field: str, *, wire: str | None = None) -> 
         if a.dtype.name != name:
             raise _bad(field, f"dtype {a.dtype} does not match wire dtype {name}")
         data = np.ascontiguousarray(a, dtype=raw)
-    return {"dtype": enum, "shape": a.shape, "data": data.tobytes()}
+    return enum, a.shape, data
+
+
+def varint(n: int) -> bytes:
+    """Protobuf base-128 varint of an unsigned integer."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def tensor_wire(number: int, array: np.ndarray, field: str, *,
+                wire: str | None = None) -> list:
+    """A Tensor as field ``number`` of its parent message, in protobuf wire format.
+
+    Pieces to join (``b"".join``): header bytes, then the array's own buffer, so
+    the data is copied once, into the joined message.  Parses to the same Tensor
+    as :func:`encode` (shape packed, as proto3 writes it).
+    """
+    enum, shape, data = wire_array(array, field, wire=wire)
+    dims = b"".join(varint(d) for d in shape)
+    head = b"\x08" + varint(enum) + (b"\x12" + varint(len(dims)) + dims if dims else b"")
+    if not data.nbytes:
+        return [varint(number << 3 | 2) + varint(len(head)) + head]
+    head += b"\x1a" + varint(data.nbytes)
+    return [varint(number << 3 | 2) + varint(len(head) + data.nbytes) + head,
+            memoryview(data).cast("B")]
 
 
 def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
