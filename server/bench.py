@@ -922,8 +922,10 @@ class Bench:
                     + us["serialize_cpu_s"]}
         return row
 
-    def run(self, cells: list[Cell], progress) -> tuple[list[dict], list[str]]:
-        rows, failures = [], []
+    def run(self, cells: list[Cell], progress, rows: list[dict],
+            after_each: Callable[[], Any]) -> list[str]:
+        """Measure ``cells`` in order, appending to ``rows``; the failures."""
+        failures = []
         self.pool = ActorPool(max(c.actors for c in cells))
         for cell in progress(cells):
             log.info("measuring %s", cell.label)
@@ -933,13 +935,15 @@ class Bench:
                 log.error("%s: %s", cell.label, exc)
                 failures.append(f"{cell.label}: {exc}")
                 rows.append({**asdict(cell), "error": str(exc)})
+                after_each()
                 if "did not answer" in str(exc) or "died" in str(exc):
                     break   # the pool is out of step with the plan: stop here
                 continue
             rows.append(row)
+            after_each()
             log.info("%s: %.0f steps/s, p50 %.2f ms", cell.label, row["steps_per_s"],
                      row["p50_ms"] or float("nan"))
-        return rows, failures
+        return failures
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -1148,15 +1152,37 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         return EXIT_USAGE
     from tqdm import tqdm
 
-    backend = args.backend
-    bench = Bench(plan, config, options, backend, args.ready_timeout)
+    bench = Bench(plan, config, options, args.backend, args.ready_timeout)
     started = time.time()
     failures: list[str] = []
     rows: list[dict] = []
     device: dict = {"skipped": "the backend is not cuda"}
+    plan.out.mkdir(parents=True, exist_ok=True)
+
+    def result(partial: bool) -> dict:
+        """Everything measured so far; written after each cell, so a killed run leaves data."""
+        add_ratios(rows)
+        out = {
+            "meta": {**machine(), "backend": bench.backend_name, "device": bench.device or "?",
+                     "target": plan.target or "in-process", "hidden_dim": config.hidden_dim,
+                     "n_actions": config.n_actions, "actors": plan.actors,
+                     "batch_sizes": list(plan.batch_sizes), "scaling_batch": plan.scaling_batch,
+                     "window": plan.window, "duration_s": plan.duration,
+                     "warmup_s": plan.warmup, "quick": plan.quick, "partial": partial,
+                     "argv": list(argv) if argv is not None else sys.argv[1:],
+                     "env": {k: v for k, v in os.environ.items()
+                             if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "MALLOC_"))},
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+                     "wall_s": round(time.time() - started, 1)},
+            "rows": rows, "codec_us": {f"{B}/{w}": c for (B, w), c in bench.sizes.items()},
+            "goals": goals(rows, bench.backend_name), "device_step": device,
+            "failures": failures}
+        (plan.out / "bench.json").write_text(json.dumps(out, indent=1))
+        return out
+
     try:
         try:
-            bench.start("reference" if backend == "null" else backend)
+            bench.start(args.backend)
         except UsageError as exc:
             print(f"duelq: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -1166,7 +1192,7 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         cells = plan.cells(bench.backend_name, in_process=bench.server is not None)
         progress = lambda cells: tqdm(cells, desc="duelq bench", unit="cell",  # noqa: E731
                                       file=sys.stderr, disable=None)
-        rows, failures = bench.run(cells, progress)
+        failures += bench.run(cells, progress, rows, lambda: result(partial=True))
         if bench.backend_name == "cuda" and plan.device_step:
             if bench.server is not None:
                 bench.server.stop(0)   # the GPU to the device benchmark alone
@@ -1182,27 +1208,14 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
     finally:
         bench.stop()
 
-    add_ratios(rows)
-    costs = {f"{B}/{w}": c for (B, w), c in bench.sizes.items()}
-    result = {
-        "meta": {**machine(), "backend": bench.backend_name, "device": bench.device or "?",
-                 "target": plan.target or "in-process", "hidden_dim": config.hidden_dim,
-                 "n_actions": config.n_actions, "actors": plan.actors,
-                 "batch_sizes": list(plan.batch_sizes), "scaling_batch": plan.scaling_batch,
-                 "window": plan.window, "duration_s": plan.duration, "warmup_s": plan.warmup,
-                 "quick": plan.quick, "argv": list(argv) if argv is not None else sys.argv[1:],
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-                 "wall_s": round(time.time() - started, 1)},
-        "rows": rows, "codec_us": costs, "goals": goals(rows, bench.backend_name),
-        "device_step": device, "failures": failures}
-    plan.out.mkdir(parents=True, exist_ok=True)
-    (plan.out / "bench.json").write_text(json.dumps(result, indent=1))
+    final = result(partial=False)
     try:
-        plot(result, plan.out / "bench.png")
+        plot(final, plan.out / "bench.png")
     except Exception as exc:  # noqa: BLE001 — the JSON is written; say what failed
         log.exception("cannot draw the plot")
         failures.append(f"plot: {exc}")
-    print(report(result))
+        result(partial=False)
+    print(report(final))
     print(f"\nwrote {plan.out / 'bench.json'} and {plan.out / 'bench.png'} "
           f"in {time.time() - started:.0f} s")
     if failures:
