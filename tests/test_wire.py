@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from duelq.client.client import encode_batch, encode_batch_wire
-from duelq.client.memory import tune_malloc
 from duelq.client.tensors import (bfloat16_bits_to_float32, encode, float16_to_float32,
                                   float32_to_bfloat16_bits, tensor_wire, varint)
 from duelq.server.service import decode_batch
@@ -71,7 +70,3 @@ def test_bfloat16_encode_rounds_like_the_reference_formula():
     assert np.array_equal(float32_to_bfloat16_bits(a), want)
     assert np.array_equal(bfloat16_bits_to_float32(want[~np.isnan(a)]).view(np.uint32) >> 16,
                           want[~np.isnan(a)])
-
-
-def test_tune_malloc_is_harmless_to_call():
-    assert tune_malloc() in (True, False)
