@@ -1100,23 +1100,35 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = [r for r in result["rows"] if "error" not in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    series: dict[str, list[tuple[int, float]]] = {}
+    colour = {"float32": "tab:blue", "float16": "tab:orange", "bfloat16": "tab:green"}
+    series: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for r in rows:
-        if r["section"] != "main":
-            continue
-        name = ("echo (ceiling), " + ("float32 size" if r["wire"] == "float32" else "16-bit size")
-                if r["kind"] == "echo" else f"{r['kind']} {r['backend']} {r['wire']}")
-        series.setdefault(name, []).append((r["batch"], r["transitions_per_s"]))
-    for name, points in sorted(series.items()):
+        if r["section"] == "main":
+            series.setdefault((r["kind"], r["backend"], r["wire"]), []).append(
+                (r["batch"], r["transitions_per_s"]))
+    order = {"echo": 0, "stream": 1, "unary": 2}
+    for (kind, backend, wire), points in sorted(series.items(), key=lambda kv: (
+            order[kv[0][0]], kv[0][1] != "null", WIRES.index(kv[0][2]))):
         xs, ys = zip(*sorted(points))
-        left.plot(xs, ys, "--o" if name.startswith("echo") else "-o", label=name)
-    left.set(xscale="log", yscale="log", xlabel="batch size B (transitions per request)",
-             ylabel="transitions / s", title=f"throughput vs B ({result['meta']['actors']} "
-                                             f"actor processes)")
-    left.set_xticks(result["meta"]["batch_sizes"], [str(b) for b in result["meta"]["batch_sizes"]])
+        if kind == "echo":
+            label = f"byte stream (ceiling), {'float32' if wire == 'float32' else '16-bit'} size"
+            style = dict(color="black" if wire == "float32" else "grey", ls="--", marker="s")
+        else:
+            label = f"{kind} {backend} {wire}"
+            style = dict(color=colour[wire], marker="o",
+                         ls="-" if backend == "null" else ":" if kind == "unary" else "-.")
+        left.plot(xs, ys, label=label, **style)
+    sizes = result["meta"]["batch_sizes"]
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xticks(sizes, [str(b) for b in sizes])
+    left.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    left.set(xlabel="batch size B (transitions per request)", ylabel="transitions / s",
+             title=f"throughput vs B ({result['meta']['actors']} actor processes)")
     left.grid(True, which="both", alpha=0.3)
     left.legend(fontsize=7)
     scaling: dict[str, list[tuple[int, float]]] = {}
@@ -1126,7 +1138,11 @@ def plot(result: dict, path: Path) -> None:
             scaling.setdefault(name, []).append((r["actors"], r["transitions_per_s"]))
     for name, points in sorted(scaling.items()):
         xs, ys = zip(*sorted(points))
-        right.plot(xs, ys, ("--" if "uds" in name else "-") + "o", label=name)
+        kind = name.rsplit(" ", 1)[0]
+        right.plot(xs, ys, ("--" if name.endswith("uds") else "-") + ("s" if kind == "echo"
+                                                                      else "o"),
+                   color={"echo": "black", "stream null": "tab:blue"}.get(kind, "tab:red"),
+                   label=name.replace("echo", "byte stream"))
     if scaling:
         actors = sorted({r["actors"] for r in rows if r["section"] == "scaling"})
         right.set_xticks(actors, [str(k) for k in actors])
