@@ -15,7 +15,6 @@ What is checked, with the reference backend and a sequential replay as the oracl
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,7 +26,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pytest
 
 from duelq.client import LearnerClient, encode_batch
 from duelq.server.checkpoint import read_latest
