@@ -84,10 +84,11 @@ class ServerOptions:
     metrics_port: int = 0
     """HTTP port of the Prometheus /metrics endpoint (on ``host``); 0 turns metrics off."""
     checkpoint_dir: str = ""
-    """Directory of checkpoints: resume from the newest at start, save there; "" = off."""
+    """Directory of checkpoints: resume from the newest at start, save there; "" = off (and
+    the checkpoint_every_* settings with it)."""
     checkpoint_every_steps: int = 0
     """Save a checkpoint every this many steps (off the step path); 0 = no step trigger."""
-    checkpoint_every_seconds: float = 0.0
+    checkpoint_every_seconds: float = 60.0
     """Save a checkpoint every this many seconds if steps were applied; 0 = no time trigger."""
     checkpoint_keep: int = 3
     """Checkpoints kept in ``checkpoint_dir`` (the newest ones)."""
@@ -116,9 +117,6 @@ class ServerOptions:
         need(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be ≥ 0")
         need(self.checkpoint_every_seconds >= 0, "checkpoint_every_seconds", "must be ≥ 0")
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
-        need(self.checkpoint_dir or not (self.checkpoint_every_steps
-                                         or self.checkpoint_every_seconds),
-             "checkpoint_dir", "is needed for periodic checkpoints")
 
     def bearer_token(self) -> str:
         """``token``, or the contents of ``token_file``; "" when auth is off."""
