@@ -186,20 +186,20 @@ def run_demo(args: argparse.Namespace, config: LearnerConfig, options: ServerOpt
             return 1
         args.target = server.target
     try:
-        return run_env_demo(args) if args.env else _run(args, where)
+        try:
+            with LearnerClient(args.target, token=args.token or None) as client:
+                client.wait_ready(timeout=args.ready_timeout)
+                info = client.info()
+        except errors.DuelqError as exc:
+            print(f"duelq demo: {exc}")
+            return 1
+        return run_env_demo(args, info) if args.env else _run(args, where, info)
     finally:
         if server is not None:
             server.stop(1.0)
 
 
-def _run(args: argparse.Namespace, where: str) -> int:
-    try:
-        with LearnerClient(args.target, token=args.token or None) as client:
-            client.wait_ready(timeout=args.ready_timeout)
-            info = client.info()
-    except errors.DuelqError as exc:
-        print(f"duelq demo: {exc}")
-        return 1
+def _run(args: argparse.Namespace, where: str, info: ServerInfo) -> int:
     H, N = info.config.hidden_dim, info.config.n_actions
     print(f"duelq demo: {args.actors} actors → {args.target} "
           f"(backend {info.backend} on {info.device}, H={H}, N={N})")

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from duelq.client import LearnerClient, errors
+from duelq.client.client import ServerInfo
 from duelq.client.gym_actor import (OPTIMAL_RETURN, ActorConfig, env_dims, greedy_return,
                                     run_actor)
 
@@ -139,15 +140,8 @@ def save_env_plot(trace: EnvTrace, result: EnvResult, path: Path, title: str) ->
     plt.close(fig)
 
 
-def run_env_demo(args: argparse.Namespace) -> int:
-    """The ``--env`` branch of ``duelq demo`` against ``args.target``; the exit code."""
-    try:
-        with LearnerClient(args.target, token=args.token or None) as client:
-            client.wait_ready(timeout=args.ready_timeout)
-            info = client.info()
-    except errors.DuelqError as exc:
-        print(f"duelq demo: {exc}")
-        return 1
+def run_env_demo(args: argparse.Namespace, info: ServerInfo) -> int:
+    """The ``--env`` branch of ``duelq demo`` against a ready server; the exit code."""
     backend, device = info.backend, info.device
     if (info.config.hidden_dim, info.config.n_actions) != env_dims(args.env):
         print(f"duelq demo: the server's head is H={info.config.hidden_dim}, "
