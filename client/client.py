@@ -118,7 +118,7 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
         kinds = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
         wanted = " or ".join(dict.fromkeys(kinds[k] for k in VECTOR_KINDS[name]))
         raise _bad(name, f"must be {wanted}, got {value.dtype}")
-    if value.dtype == np.float64:
+    if value.dtype.kind == "f" and value.dtype not in (np.float32, np.float16):
         return value.astype(np.float32)
     if value.dtype.kind in "iu" and value.dtype not in (np.int32, np.uint8):
         if value.size and (value.min() < np.iinfo(np.int32).min

@@ -173,5 +173,8 @@ def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
         flags = np.frombuffer(data, np.uint8)
         if flags.size and flags.max() > 1:
             raise _bad(field, "bool bytes must be 0 or 1")
-    a = np.frombuffer(data, raw).reshape(shape)
+    try:
+        a = np.frombuffer(data, raw).reshape(shape)
+    except ValueError as exc:  # e.g. [2**62, 2**62, 0]: zero bytes, unrepresentable dims
+        raise _bad(field, f"shape {list(shape)} is not a valid array shape ({exc})") from None
     return bfloat16_bits_to_float32(a) if name == "bfloat16" else a

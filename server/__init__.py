@@ -1,4 +1,4 @@
-"""duelq.server: the learner core, its backends and (later) the gRPC service."""
+"""duelq.server: the learner core, its backends and the gRPC service."""
 
 from .batch import Batch
 from .config import LearnerConfig

@@ -87,15 +87,8 @@ def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int) -> 
     """
     if not isinstance(batch, Batch):
         raise InvalidArgument("batch", f"must be a Batch, got {type(batch).__name__}")
-    actions = _array("actions", batch.actions)
-    if actions.ndim != 1:
-        raise InvalidArgument("actions", f"must be 1-D, got shape {list(actions.shape)}")
+    actions = validate_actions(batch.actions, config.n_actions, max_len=max_batch_size)
     B = actions.shape[0]
-    if B == 0:
-        raise InvalidArgument("actions", "batch is empty (B = 0)")
-    if B > max_batch_size:
-        raise ResourceExhausted(f"batch size {B} exceeds the limit {max_batch_size}")
-    actions = validate_actions(actions, config.n_actions)
     h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B)
     h_tp1 = validate_features(batch.h_tp1, config.hidden_dim, "h_tp1", rows=B)
 

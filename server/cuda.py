@@ -15,6 +15,7 @@ that need at most one block per SM, the larger the rest.
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 from dataclasses import dataclass
 
@@ -319,12 +320,13 @@ class CudaBackend(Backend):
         out = self._outputs.host
         # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums.
         finite, norms, losses, q_sums = out[2 * B + 1:words].astype(np.float64).reshape(4, G)
+        loss, q_mean = float(losses.sum() / B), float(q_sums.sum() / B)
         self._pending = True
         return StepOutputs(
-            loss=float(losses.sum() / B), td_errors=out[:B].copy(),
-            priorities=out[B:2 * B].copy(), q_taken_mean=float(q_sums.sum() / B),
+            loss=loss, td_errors=out[:B].copy(),
+            priorities=out[B:2 * B].copy(), q_taken_mean=q_mean,
             grad_norm=float(np.sqrt(np.square(norms).sum())),
-            finite=bool(np.all(finite == 1.0)),
+            finite=bool(np.all(finite == 1.0)) and math.isfinite(loss) and math.isfinite(q_mean),
             entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None)
 
     def commit(self) -> None:

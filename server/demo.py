@@ -91,8 +91,7 @@ def actor(index: int, args: argparse.Namespace, task: Task, n_actions: int,
           trace: Trace, bar: tqdm) -> None:
     """One actor: pull weights, act ε-greedily, stream batches, report entropy."""
     rng = np.random.default_rng([args.demo_seed, index])
-    with LearnerClient(args.target, token=args.token or None,
-                       actor_id=f"demo-actor-{index}") as client:
+    with LearnerClient(args.target, token=args.token or None) as client:
         params = client.get_weights().params
 
         def batches():
@@ -211,7 +210,7 @@ def _run(args: argparse.Namespace, where: str, info: ServerInfo) -> int:
     def run(i: int) -> None:
         try:
             actor(i, args, task, N, trace, bars[i])
-        except errors.DuelqError as exc:
+        except Exception as exc:  # noqa: BLE001 — reported in the summary, exit 1
             with trace.lock:
                 trace.failures.append(f"actor {i}: {exc}")
 

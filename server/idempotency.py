@@ -48,7 +48,7 @@ class _Actor:
 class ReplayGuard:
     """Applied keys and recorded responses, in bounded memory."""
 
-    def __init__(self, *, capacity: int = 1024, window: int = 1024, max_actors: int = 65536):
+    def __init__(self, *, capacity: int = 1024, window: int = 1024, max_actors: int = 4096):
         if capacity < 0 or window < 1 or max_actors < 1:
             raise InvalidArgument("replay_cache", "capacity must be ≥ 0, window and "
                                   "max_actors ≥ 1")
@@ -137,7 +137,7 @@ class ReplayGuard:
 
     @classmethod
     def from_bytes(cls, data: bytes, kinds: Mapping[str, type], *, capacity: int = 1024,
-                   max_actors: int = 65536) -> "ReplayGuard":
+                   max_actors: int = 4096) -> "ReplayGuard":
         """Records written by :meth:`to_bytes`; ``kinds`` maps message names to classes.
 
         The stored window is kept (a wider one would forget applied keys); the

@@ -102,13 +102,20 @@ class _ScrapeTimeCollector:
                 yield from _device_memory()
         directory = self._checkpoint_dir()
         if directory:
-            newest = max((p.stat().st_mtime for p in Path(directory).glob("ckpt-*")),
-                         default=None)
-            if newest is not None:
+            newest = max((_mtime(p) for p in Path(directory).glob("ckpt-*")), default=None)
+            if newest is not None and newest > float("-inf"):
                 age = GaugeMetricFamily("duelq_checkpoint_age_seconds",
                                         "Seconds since the newest checkpoint was written")
                 age.add_metric([], max(0.0, time.time() - newest))
                 yield age
+
+
+def _mtime(path: Path) -> float:
+    """Modification time, or −inf for a file pruned since it was listed."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("-inf")
 
 
 def _device_memory():

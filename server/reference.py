@@ -127,7 +127,7 @@ def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
         ema_update(isv, observed, config.isv_slots[config.step_entropy_slot], entropy,
                    config.step_entropy_alpha)
 
-    finite = np.isfinite(delta).all() and all(
+    finite = np.isfinite([loss, q_taken.mean()]).all() and np.isfinite(delta).all() and all(
         np.isfinite(a).all() for group in (grads, new_theta, new_target, m, v)
         for a in group.arrays())
     new_state = LearnerState(params=new_theta, target=new_target, adam_m=m, adam_v=v,

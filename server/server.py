@@ -67,6 +67,8 @@ class ServerOptions:
     """Rpcs (streams included) running at once; also the worker thread count."""
     replay_cache: int = 1024
     """Recorded responses kept for idempotent retries (besides each actor's latest)."""
+    max_actors: int = 4096
+    """Actors whose idempotency keys are tracked; the least recently seen is forgotten."""
     max_queue: int = 64
     """Requests waiting for the learner at once; past it RESOURCE_EXHAUSTED."""
     token: str = ""
@@ -105,6 +107,7 @@ class ServerOptions:
         need(self.max_rpcs > self.max_streams, "max_rpcs",
              f"must exceed max_streams={self.max_streams}, leaving room for unary rpcs")
         need(self.replay_cache >= 0, "replay_cache", "must be ≥ 0")
+        need(self.max_actors >= 1, "max_actors", "must be ≥ 1")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_key",
              "tls_cert and tls_key go together")
         need(not self.tls_client_ca or bool(self.tls_cert), "tls_client_ca",
@@ -226,7 +229,7 @@ class LearnerServer:
         self.service = LearnerService(
             Limits(options.max_message_bytes, options.max_batch_size, options.max_streams,
                    options.max_queue),
-            replay=ReplayGuard(capacity=options.replay_cache))
+            replay=ReplayGuard(capacity=options.replay_cache, max_actors=options.max_actors))
         token = options.bearer_token()
         auth = (BearerAuth(token),) if token else ()
         # Outermost, so refusals by the auth interceptor are counted too.
@@ -285,9 +288,9 @@ class LearnerServer:
             raise OSError(f"cannot listen on {address}: {exc}") from exc
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
-        self._server.start()
-        if self.metrics is not None:
+        if self.metrics is not None:  # before serving: a busy port leaves nothing running
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
+        self._server.start()
         log.info("listening on %s (%s), health NOT_SERVING until the backend is ready",
                  f"{self.options.host}:{self.port}", "TLS" if self.options.tls_cert else
                  "plaintext")
@@ -315,7 +318,8 @@ class LearnerServer:
                 if "replay" in found.extras:
                     try:
                         replay = ReplayGuard.from_bytes(found.extras["replay"], REPLAY_KINDS,
-                                                        capacity=self.options.replay_cache)
+                                                        capacity=self.options.replay_cache,
+                                                        max_actors=self.options.max_actors)
                     except ValueError as exc:
                         raise CheckpointError(found.path, str(exc)) from exc
                 else:

@@ -253,11 +253,13 @@ class LearnerService(pb_grpc.LearnerServicer):
                context: grpc.ServicerContext | None) -> pb.TrainResponse:
         learner = self.learner
         batch = decode_batch(request)
-        response = self._keyed(request.key, pb.TrainResponse,
-                               lambda: train_response(learner.step(batch), request.key), context)
-        if self.checkpoints is not None and not response.replayed:
-            self.checkpoints.notify(response.step)
-        return response
+
+        def apply() -> pb.TrainResponse:
+            response = train_response(learner.step(batch), request.key)
+            if self.checkpoints is not None:  # under the apply lock: steps arrive in order
+                self.checkpoints.notify(response.step)
+            return response
+        return self._keyed(request.key, pb.TrainResponse, apply, context)
 
     @_rpc
     def TrainStep(self, request, context):

@@ -289,3 +289,12 @@ def test_options_are_checked():
         LearnerClient("localhost:1", feature_dtype="float64")
     with pytest.raises(errors.InvalidArgument, match="window"):
         next(LearnerClient("localhost:1").train_stream([], window=0))
+
+
+def test_wide_float_vectors_are_sent_as_float32(server):
+    batch = random_batch(np.random.default_rng(5), 6)
+    with LearnerClient(server.target) as client:
+        result = client.train_step(replace(batch, rewards=batch.rewards.astype(np.longdouble)))
+        streamed = list(client.train_stream([replace(batch, weights=batch.weights.astype(
+            np.longdouble))]))
+    assert result.step == 1 and [r.step for r in streamed] == [2]

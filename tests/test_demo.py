@@ -82,6 +82,10 @@ def test_demo_against_a_running_server_with_a_token(make_server, tmp_path, capsy
     assert code == 0, out
     assert f"server at {server.target}" in out and f"H={SMALL.hidden_dim}" in out
     assert server.learner.step_count == 36
+    # a second demo's actors are new actors: their batches apply, none is taken for a retry
+    assert cli.main(["demo", *SMALL_DEMO, "--target", server.target, "--token", "t0k",
+                     "--plot", str(tmp_path / "loss2.png")]) == 0
+    assert server.learner.step_count == 72
 
 
 def test_demo_against_a_dead_server_exits_1(dead_target, capsys):

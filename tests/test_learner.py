@@ -96,6 +96,15 @@ def test_non_finite_step_is_refused_and_state_unchanged(learner):
     assert learner.step(good()).step == 2
 
 
+def test_a_step_whose_loss_overflows_is_refused():
+    # finite gradients and weights (tiny lr), but Σ w·huber(δ) overflows float32
+    lrn = Learner(small_config(optimizer="sgd", lr=1e-30), backend="reference")
+    before = lrn.snapshot().checksum()
+    with pytest.raises(NonFiniteStep):
+        lrn.step(good(rewards=f32(100, 100, 100, 100), weights=f32(1e38, 1e38, 1e38, 1e38)))
+    assert lrn.snapshot().checksum() == before
+
+
 def test_step_result_shapes_and_priorities(learner):
     r = learner.step(good(B=5))
     assert r.td_errors.shape == r.priorities.shape == (5,)

@@ -82,3 +82,20 @@ def test_a_replayed_batch_is_not_counted_as_a_step(metered):
 
 def test_metrics_are_off_by_default(server):
     assert server.metrics is None
+
+
+def test_a_busy_metrics_port_fails_the_start_and_leaves_nothing_serving():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from duelq.server.server import LearnerServer, ServerOptions
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        server = LearnerServer(ServerOptions(port=0, metrics_port=busy.getsockname()[1]))
+        with pytest.raises(OSError):
+            server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        with pytest.raises(grpc.RpcError) as info:  # no answer at all, not NOT_SERVING
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=1)
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

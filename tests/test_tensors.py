@@ -90,3 +90,9 @@ def test_encode_refuses_what_the_wire_cannot_carry(array, wire):
     with pytest.raises(errors.InvalidArgument) as info:
         encode(array, "rewards", wire=wire)
     assert info.value.field == "rewards"
+
+
+def test_a_shape_numpy_cannot_build_is_invalid_not_internal():
+    absurd = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2 ** 62, 2 ** 62, 0], data=b"")
+    with pytest.raises(errors.InvalidArgument, match="h: shape .* is not a valid array shape"):
+        decode(absurd, "h")
