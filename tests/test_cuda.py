@@ -331,6 +331,22 @@ def test_non_finite_step_is_refused_and_state_unchanged():
     assert learner.step(sane).step == 3
 
 
+def test_a_step_whose_loss_overflows_is_refused():
+    # gradients and weights stay finite (SGD, tiny lr); only Σ w·huber(δ) overflows
+    config = LearnerConfig(hidden_dim=64, n_actions=11, optimizer="sgd", lr=1e-30)
+    rng = np.random.default_rng(6)
+    state = random_state(config, rng, 0)
+    sane = random_batch(rng, 31, config, state, True)
+    huge = dataclasses.replace(sane, rewards=np.full(31, 100, np.float32),
+                               weights=np.full(31, 1e38, np.float32))
+    assert not reference.train_step(state, huge, config, np.float32)[1].finite
+    learner = Learner(config, backend=cuda_backend(config, state))
+    before = learner.snapshot().checksum()
+    with pytest.raises(NonFiniteStep):
+        learner.step(huge)
+    assert learner.snapshot().checksum() == before
+
+
 def test_discard_leaves_state_and_commit_advances():
     config = LearnerConfig(hidden_dim=64, n_actions=2)
     rng = np.random.default_rng(6)
