@@ -42,6 +42,7 @@ from .idempotency import ReplayGuard
 from .learner import Learner
 from .metrics import Metrics
 from .service import REPLAY_KINDS, LearnerService, Limits
+from .wire import train_request_deserializer
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,37 @@ def _same_shape(handler: grpc.RpcMethodHandler, behaviour,
         response_serializer=handler.response_serializer)
 
 
+#: Methods whose requests :func:`train_request_deserializer` parses (zero-copy tensors).
+ZERO_COPY_METHODS = ("TrainStep", "TrainStream")
+
+
+class _Recorder:
+    """Stands in for a grpc server to catch the generated code's method handlers."""
+
+    def __init__(self):
+        self.handlers: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers[service] = dict(handlers)
+
+
+def add_learner_servicer(servicer, server: grpc.Server) -> None:
+    """``add_LearnerServicer_to_server``, with TrainStep/TrainStream requests parsed by
+    :func:`train_request_deserializer` instead of ``TrainRequest.FromString``."""
+    recorder = _Recorder()
+    pb_grpc.add_LearnerServicer_to_server(servicer, recorder)
+    (service, handlers), = recorder.handlers.items()
+    for name in ZERO_COPY_METHODS:
+        handlers[name] = _same_shape(handlers[name], handlers[name].stream_stream
+                                     or handlers[name].unary_unary, train_request_deserializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(service, handlers)
+
+
 def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
@@ -247,7 +279,7 @@ class LearnerServer:
                      ("grpc.max_send_message_length", size),
                      ("grpc.so_reuseport", 0)],  # a port in use is an error, not shared
             maximum_concurrent_rpcs=options.max_rpcs)
-        pb_grpc.add_LearnerServicer_to_server(self.service, self._server)
+        add_learner_servicer(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
