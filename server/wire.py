@@ -74,6 +74,24 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     raise _Fallback
 
 
+def _packed(buf: bytes) -> tuple[int, ...]:
+    """Packed varints of at most 9 bytes each (each < 2**63), as a tuple."""
+    dims = []
+    value = shift = 0
+    for b in buf:
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            dims.append(value)
+            value = shift = 0
+        else:
+            shift += 7
+            if shift > 56:
+                raise _Fallback
+    if shift:                                     # the last varint is unterminated
+        raise _Fallback
+    return tuple(dims)
+
+
 def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
     dtype, shape, payload = 0, (), _EMPTY
     if pos < end and data[pos] == 0x08:           # dtype = 1, varint (one byte)
@@ -86,11 +104,8 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
         stop = pos + length
         if stop > end:
             raise _Fallback
-        dims = []
-        while pos < stop:
-            d, pos = _varint(data, pos, stop)
-            dims.append(d)
-        shape = tuple(dims)
+        shape = _packed(data[pos:stop])
+        pos = stop
     if pos < end and data[pos] == 0x1A:           # data = 3, bytes
         length, pos = _varint(data, pos + 1, end)
         stop = pos + length
