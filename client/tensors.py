@@ -32,6 +32,8 @@ WIRE_DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 _BY_ENUM = {enum: (name, raw) for name, (enum, raw) in WIRE_DTYPES.items()}
 MAX_NDIM = 8
+#: Raw dtype → enum of the wire dtypes an array may already be in (not bfloat16: uint16).
+_ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}
 
 
 def _bad(field: str, problem: str) -> InvalidArgument:
@@ -56,7 +58,9 @@ def float32_to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bit patterns → float32 (exact)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = bits.astype(np.uint32)
+    wide <<= 16  # in place: one array, not two
+    return wide.view(np.float32)
 
 
 def float16_to_float32(a: np.ndarray) -> np.ndarray:
@@ -103,6 +107,11 @@ def wire_array(array: np.ndarray, field: str, *,
                wire: str | None = None) -> tuple[int, tuple[int, ...], np.ndarray]:
     """:func:`encode`'s checks and conversion: (dtype enum, shape, the raw data as a
     C-contiguous little-endian array), without copying data that is already so."""
+    if wire is None and type(array) is np.ndarray and 1 <= array.ndim <= MAX_NDIM \
+            and array.flags.c_contiguous:
+        enum = _ENUM_BY_RAW.get(array.dtype)  # the common case, without the checks' cost
+        if enum is not None:
+            return enum, array.shape, array
     a = np.asarray(array)
     name = wire or a.dtype.name
     if name not in WIRE_DTYPES:
