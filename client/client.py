@@ -97,6 +97,7 @@ class ServerInfo:
     max_batch_size: int
     max_streams: int
     server_version: str
+    max_queue: int
 
 
 def _bad(field: str, problem: str) -> errors.InvalidArgument:
@@ -447,7 +448,7 @@ class LearnerClient:
         r = self._call(self._stub.GetInfo, pb.GetInfoRequest())
         return ServerInfo(r.backend, r.device, LearnerConfig.from_dict(json.loads(r.config_json)),
                           r.step, r.version, r.max_message_bytes, r.max_batch_size,
-                          r.max_streams, r.server_version)
+                          r.max_streams, r.server_version, r.max_queue)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until the server's health says SERVING; errors.Unavailable after ``timeout``."""

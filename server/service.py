@@ -330,5 +330,5 @@ class LearnerService(pb_grpc.LearnerServicer):
                        config_json=json.dumps(learner.config.to_dict()), step=step,
                        version=step, max_message_bytes=self.limits.max_message_bytes,
                        max_batch_size=self.limits.max_batch_size,
-                       max_streams=self.limits.max_streams,
+                       max_streams=self.limits.max_streams, max_queue=self.limits.max_queue,
                        server_version=metadata.version("duelq"))

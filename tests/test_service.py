@@ -391,3 +391,4 @@ def test_info_reports_backend_config_and_limits(make_server):
     assert (info.backend, info.device) == ("reference", server.learner.backend.device)
     assert LearnerConfig.from_dict(json.loads(info.config_json)) == config
     assert (info.max_batch_size, info.max_streams, info.step) == (99, 3, 0)
+    assert info.max_queue == ServerOptions().max_queue

@@ -203,7 +203,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Info(_message.Message):
-    __slots__ = ("backend", "device", "config_json", "step", "version", "max_message_bytes", "max_batch_size", "max_streams", "server_version")
+    __slots__ = ("backend", "device", "config_json", "step", "version", "max_message_bytes", "max_batch_size", "max_streams", "server_version", "max_queue")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class Info(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
     config_json: str
@@ -222,4 +223,5 @@ class Info(_message.Message):
     max_batch_size: int
     max_streams: int
     server_version: str
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_streams: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    max_queue: int
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_streams: _Optional[int] = ..., server_version: _Optional[str] = ..., max_queue: _Optional[int] = ...) -> None: ...
