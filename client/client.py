@@ -100,8 +100,7 @@ class ServerInfo:
     max_queue: int
 
 
-def _bad(field: str, problem: str) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"{field}: {problem}", field=field)
+_bad = errors.InvalidArgument.of
 
 
 #: dtype kinds each vector may have (numpy kind codes: f float, i/u integer, b bool).

@@ -42,6 +42,11 @@ class InvalidArgument(DuelqError, ValueError):
         # The server's messages read "field: problem".
         self.field = field if field is not None else details.split(":", 1)[0].strip()
 
+    @classmethod
+    def of(cls, field: str, problem: str) -> "InvalidArgument":
+        """A local refusal in the server's "field: problem" form."""
+        return cls(f"{field}: {problem}", field=field)
+
 
 class ResourceExhausted(DuelqError):
     """A server limit was exceeded (batch size, message size, streams, rpcs)."""

@@ -36,8 +36,7 @@ MAX_NDIM = 8
 _ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}
 
 
-def _bad(field: str, problem: str) -> InvalidArgument:
-    return InvalidArgument(f"{field}: {problem}", field=field)
+_bad = InvalidArgument.of
 
 
 def float32_to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
