@@ -156,7 +156,7 @@ __device__ __forceinline__ float2 dot_rows2(const float* __restrict__ x0,
 }
 
 // Sum of src[i * stride] for i in [i0, i1) in index order, 8 loads in flight at a time
-// (L2 reads: data written by other blocks of this launch).
+// (L2 reads: data written by other blocks of this launch before a grid barrier).
 template <typename T>
 __device__ __forceinline__ T strided_sum(const T* src, size_t stride, int i0, int i1) {
     T s = 0;
@@ -167,6 +167,54 @@ __device__ __forceinline__ T strided_sum(const T* src, size_t stride, int i0, in
             v[u] = i + u < i1 ? __ldcg(src + (size_t)(i + u) * stride) : T(0);
 #pragma unroll
         for (int u = 0; u < 8; ++u) s += v[u];
+    }
+    return s;
+}
+
+// Tagged words: a 32-bit value and the launch's epoch in one 64-bit word, stored and loaded
+// with single-copy-atomic relaxed accesses at GPU scope. A reader that sees its epoch sees the
+// value stored with it, so a block waits for exactly the partials it sums, as they land,
+// instead of for a grid barrier and then for the loads (one L2 round trip instead of two).
+typedef unsigned long long tagged_t;
+
+__device__ __forceinline__ void put_tagged(tagged_t* dst, unsigned int bits, unsigned int epoch) {
+    const tagged_t word = ((tagged_t)epoch << 32) | bits;
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(dst), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ tagged_t peek_tagged(const tagged_t* src) {
+    tagged_t word;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(word) : "l"(src));
+    return word;
+}
+
+__device__ __forceinline__ float tagged_value(tagged_t word, float) {
+    return __uint_as_float((unsigned int)word);
+}
+__device__ __forceinline__ unsigned int tagged_value(tagged_t word, unsigned int) {
+    return (unsigned int)word;
+}
+
+// Sum of the values of src[i * stride] for i in [i0, i1) in index order, each word awaited
+// until it carries `epoch`; 8 loads in flight at a time.
+template <typename T>
+__device__ __forceinline__ T tagged_sum(const tagged_t* src, size_t stride, int i0, int i1,
+                                        unsigned int epoch) {
+    T s = 0;
+    for (int i = i0; i < i1; i += 8) {
+        tagged_t v[8];
+        bool ready;
+        do {  // all 8 loads again until every word carries the epoch
+            ready = true;
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                v[u] = i + u < i1 ? peek_tagged(src + (size_t)(i + u) * stride)
+                                  : (tagged_t)epoch << 32;
+                ready &= (unsigned int)(v[u] >> 32) == epoch;
+            }
+        } while (!ready);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) s += tagged_value(v[u], T());
     }
     return s;
 }

@@ -7,12 +7,15 @@
 //                     and, for double DQN, θ(h_tp1); target action, y, δ, Huber, g; writes
 //                     td_errors / priorities and its partial gradient over its rows (never a
 //                     per-sample B·H·N buffer). Also copies its slice of the ISV to the next one.
-//   — grid barrier —
-//   Phase 2 (params)  block b owns a slice of the parameters: sums the G partials in block
-//                     order; with clipping, publishes its squared norm, waits at a second grid
-//                     barrier and sums all of them in block order; then Adam/SGD and the target
-//                     update on its slice. Block 0 also folds the batch entropy into the ISV.
-// The grid barrier is a per-block arrival flag that every block polls: no atomics, and no
+//                     Its partials are tagged with the launch's epoch (dueling_common.cuh).
+//   Phase 2 (params)  block b owns a slice of the parameters: sums the G partials of its slice
+//                     in block order, waiting for each to carry this epoch (no grid barrier:
+//                     a block starts as soon as the partials it needs have landed); with
+//                     clipping, publishes its squared norm, waits at a grid barrier and sums
+//                     all of them in block order; then Adam/SGD and the target update on its
+//                     slice. The last block (smallest slice) also folds the batch entropy into
+//                     the ISV.
+// The grid barrier is a per-block arrival flag that every block polls. No atomics, and no
 // reduction whose order depends on timing. Per-block loss, Q and norm partials go out with
 // the outputs and the host adds them in block order.
 //
@@ -23,8 +26,12 @@
 
 #include "dueling_common.cuh"
 
-#define STAGE_WEIGHTS (N_PARAMS <= 12288)                 // θ and θ⁻ fit in shared memory
-#define WS_STRIDE (((N_PARAMS + 3) / 4) * 4)              // floats between staged sets
+// θ and θ⁻ staged in shared memory when they fit, weight rows HS floats apart (padded so
+// that the rows a warp reads at once fall in different banks), biases after them.
+#define WS_STRIDE (((N_OUT * (HS + 1) + 3) / 4) * 4)      // floats between staged sets
+#define STAGE_WEIGHTS (WS_STRIDE <= 12288)
+#define WROW (STAGE_WEIGHTS ? HS : HIDDEN_DIM)            // floats between weight rows read
+#define WBIAS (N_OUT * WROW)                              // offset of the biases
 #define WEIGHT_VECS (N_WEIGHTS / VW)                     // weight gradient as vectors
 #define VECS_PER_THREAD ((WEIGHT_VECS + THREADS - 1) / THREADS)
 #define BIAS_PER_THREAD ((N_OUT + THREADS - 1) / THREADS)
@@ -51,13 +58,14 @@ struct StepArgs {
     int* observed_next;        // [isv_size] proposed observed flags
     const float* in;           // packed inputs
     float* out;                // packed outputs
-    float* part_grad;          // [G][PARAM_STRIDE] per-block gradient partials
+    tagged_t* part_grad;       // [G][PARAM_STRIDE] per-block gradient partials (tagged)
     double* part_sq;           // [G] per-block squared gradient norms (clipping)
-    int* part_counts;          // [G][N_ACTIONS] per-block action counts
+    tagged_t* part_counts;     // [G][N_ACTIONS] per-block action counts (tagged)
     float* grad;               // [N_PARAMS] reduced gradient
     unsigned int* arrivals;    // [G] grid-barrier arrival flags
     double max_norm;           // global-norm clip threshold, 0 = off
-    unsigned int epoch;        // barrier generation of this launch (uses epoch, epoch+1)
+    unsigned int epoch;        // this launch's tag (partials: epoch−1 until final, then
+                               // epoch; clipping's grid barrier: epoch+1)
     int batch;                 // B
     int rows_per_block;        // R
     int has_weights;           // importance weights present
@@ -97,13 +105,37 @@ __device__ __forceinline__ void grid_barrier(unsigned int* arrivals, unsigned in
     __syncthreads();
 }
 
-// Column sums over the G blocks: thread t < ncols gets Σ_g src[g * stride + t] (0 elsewhere).
-// Each column is split into contiguous block ranges summed by different threads, and the
-// range sums are added in range order. `red` holds THREADS values of shared memory.
+// A vector of floats stored / loaded as VW tagged words.
+__device__ __forceinline__ void put_vec(tagged_t* dst, const vec_t v, unsigned int epoch) {
+#if VW == 4
+    put_tagged(dst, __float_as_uint(v.x), epoch);
+    put_tagged(dst + 1, __float_as_uint(v.y), epoch);
+    put_tagged(dst + 2, __float_as_uint(v.z), epoch);
+    put_tagged(dst + 3, __float_as_uint(v.w), epoch);
+#else
+    put_tagged(dst, __float_as_uint(v), epoch);
+#endif
+}
+
+__device__ __forceinline__ vec_t peek_vec(const tagged_t* src) {
+#if VW == 4
+    return make_float4(tagged_value(peek_tagged(src), 0.f), tagged_value(peek_tagged(src + 1), 0.f),
+                       tagged_value(peek_tagged(src + 2), 0.f), tagged_value(peek_tagged(src + 3), 0.f));
+#else
+    return tagged_value(peek_tagged(src), 0.f);
+#endif
+}
+
+// Column sums over the G blocks' tagged partials: thread t < ncols gets Σ_g src[g * stride + t]
+// (0 elsewhere), each partial awaited until it carries `epoch`. Each column is split into
+// contiguous block ranges summed by different threads, and the range sums are added in range
+// order. `red` holds THREADS values of shared memory.
 template <typename T>
-__device__ __forceinline__ T sum_columns(const T* src, int stride, int ncols, int G, T* red) {
+__device__ __forceinline__ T sum_columns(const tagged_t* src, int stride, int ncols, int G, T* red,
+                                         unsigned int epoch) {
     const int tid = threadIdx.x, chunks = THREADS / ncols, col = tid % ncols, ch = tid / ncols;
-    const T s = ch < chunks ? strided_sum(src + col, stride, ch * G / chunks, (ch + 1) * G / chunks)
+    const T s = ch < chunks ? tagged_sum<T>(src + col, stride, ch * G / chunks,
+                                            (ch + 1) * G / chunks, epoch)
                             : T(0);
     red[tid] = s;
     __syncthreads();
@@ -114,7 +146,8 @@ __device__ __forceinline__ T sum_columns(const T* src, int stride, int ncols, in
     return total;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArgs a) {
+// One block per SM by design (G ≤ #SMs): registers are not rationed for occupancy.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const StepArgs a) {
     extern __shared__ float4 smem4[];
     float* ws = reinterpret_cast<float*>(smem4);  // [2][WS_STRIDE] θ, θ⁻ (if STAGE_WEIGHTS)
     float* ht = ws + (STAGE_WEIGHTS ? 2 * WS_STRIDE : 0);  // [ROW_TILE][HS] h_t rows of the tile
@@ -123,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     float* coef = q + 3 * ROW_TILE * N_OUT;       // [ROW_TILE][N_OUT] ∂L/∂V, ∂L/∂A per row
     float* row_f = coef + ROW_TILE * N_OUT;       // [ROW_TILE][4] reward, done, discount, weight
     int* row_act = reinterpret_cast<int*>(row_f + 4 * ROW_TILE);  // [ROW_TILE]
-    __shared__ int counts[N_ACTIONS];             // this block's action counts
+    __shared__ unsigned int counts[N_ACTIONS];    // this block's action counts
     __shared__ double red[THREADS];
     __shared__ double scratch[33];
     __shared__ double warp_stats[THREADS / 32][2];
@@ -187,8 +220,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         for (int u = 0; u < 8; ++u) {
             const int p = base + u * THREADS + tid;
             if (p < N_PARAMS) {
-                ws[p] = w[2 * u];
-                ws[WS_STRIDE + p] = w[2 * u + 1];
+                const int j = p / HIDDEN_DIM;  // row, or N_OUT for a bias
+                const int d = j < N_OUT ? j * WROW + (p - j * HIDDEN_DIM) : WBIAS + p - N_WEIGHTS;
+                ws[d] = w[2 * u];
+                ws[WS_STRIDE + d] = w[2 * u + 1];
             }
         }
     }
@@ -198,11 +233,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     const float* w_online = theta;
     const float* w_target = target;
 #endif
-    if (isv_i < isv_end) {
+    const int folded_slot = entropy_on ? a.entropy_slot : -1;  // written in phase 2 instead
+    if (isv_i < isv_end && isv_i != folded_slot) {
         a.isv_next[isv_i] = isv_v;
         a.observed_next[isv_i] = observed_v;
     }
     for (int i = isv_i + THREADS; i < isv_end; i += THREADS) {  // small grids only
+        if (i == folded_slot) continue;
         a.isv_next[i] = a.isv[i];
         a.observed_next[i] = a.observed[i];
     }
@@ -216,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
 #pragma unroll
     for (int k = 0; k < BIAS_PER_THREAD; ++k) acc_bias[k] = 0.f;
 #endif
-    float* my_part = a.part_grad + (size_t)blk * PARAM_STRIDE;
+    tagged_t* my_part = a.part_grad + (size_t)blk * PARAM_STRIDE;
     double loss_w = 0.0, q_w = 0.0;  // this lane's rows (first lane of each row group)
 
     for (int tile = 0; tile < tiles; ++tile) {
@@ -239,8 +276,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
             const int r1 = r + HALF_TILE < ROW_TILE ? r + HALF_TILE : r;
             const float* p = (s == 1) ? w_target : w_online;
             const float* x = s == 0 ? ht : hn;
-            const float bias = p[N_WEIGHTS + j];
-            const float2 d = dot_rows2(x + r * HS, x + r1 * HS, p + j * HIDDEN_DIM);
+            const float bias = p[WBIAS + j];
+            const float2 d = dot_rows2(x + r * HS, x + r1 * HS, p + j * WROW);
             q[(s * ROW_TILE + r) * N_OUT + j] = d.x + bias;
             q[(s * ROW_TILE + r1) * N_OUT + j] = d.y + bias;
         }
@@ -326,10 +363,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
 #if GRAD_IN_REGISTERS
             vec_add(acc[k], s);
 #else
-            if (i < WEIGHT_VECS) {
-                vec_t* dst = reinterpret_cast<vec_t*>(my_part + p);
-                if (tile > 0) vec_add(s, *dst);
-                *dst = s;
+            if (i < WEIGHT_VECS) {  // running sums are tagged epoch − 1 until the last tile
+                if (tile > 0) vec_add(s, peek_vec(my_part + p));
+                put_vec(my_part + p, s, tile + 1 == tiles ? a.epoch : a.epoch - 1);
             }
 #endif
         }
@@ -344,7 +380,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
 #if GRAD_IN_REGISTERS
             acc_bias[k] += s;
 #else
-            if (j < N_OUT) my_part[N_WEIGHTS + j] = tile == 0 ? s : my_part[N_WEIGHTS + j] + s;
+            if (j < N_OUT) {
+                tagged_t* dst = my_part + N_WEIGHTS + j;
+                if (tile > 0) s += tagged_value(peek_tagged(dst), 0.f);
+                put_tagged(dst, __float_as_uint(s), tile + 1 == tiles ? a.epoch : a.epoch - 1);
+            }
 #endif
         }
         __syncthreads();
@@ -352,15 +392,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
 #if GRAD_IN_REGISTERS
 #pragma unroll
     for (int k = 0; k < VECS_PER_THREAD; ++k)
-        if (tid + k * THREADS < WEIGHT_VECS)
-            reinterpret_cast<vec_t*>(my_part)[tid + k * THREADS] = acc[k];
+        if (tid + k * THREADS < WEIGHT_VECS) put_vec(my_part + (tid + k * THREADS) * VW, acc[k], a.epoch);
 #pragma unroll
     for (int k = 0; k < BIAS_PER_THREAD; ++k)
-        if (tid + k * THREADS < N_OUT) my_part[N_WEIGHTS + tid + k * THREADS] = acc_bias[k];
+        if (tid + k * THREADS < N_OUT)
+            put_tagged(my_part + N_WEIGHTS + tid + k * THREADS, __float_as_uint(acc_bias[k]), a.epoch);
 #endif
     if (entropy_on)
         for (int k = tid; k < N_ACTIONS; k += THREADS)
-            a.part_counts[blk * N_ACTIONS + k] = counts[k];
+            put_tagged(a.part_counts + blk * N_ACTIONS + k, counts[k], a.epoch);
     loss_w = warp_sum(loss_w);  // lanes 0 and multiples of SEG hold row sums
     q_w = warp_sum(q_w);
     if (lane == 0) {
@@ -378,9 +418,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         head[1 + 3 * G + blk] = (float)qsum;
     }
 
-    grid_barrier(a.arrivals, a.epoch);
-
     // ---- Phase 2: this block's parameter slice ------------------------------------
+    // No grid barrier: sum_columns waits for each partial it needs to carry this epoch.
     const int slice = (N_PARAMS + G - 1) / G;
     const int p_begin = min(N_PARAMS, blk * slice), p_end = min(N_PARAMS, p_begin + slice);
     const int p_first = p_begin + tid;
@@ -397,29 +436,29 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     for (int base = p_begin; base < p_end; base += THREADS) {
         const int cols = min(THREADS, p_end - base);
         const float total = sum_columns(a.part_grad + base, PARAM_STRIDE, cols, G,
-                                        reinterpret_cast<float*>(red));
+                                        reinterpret_cast<float*>(red), a.epoch);
         if (tid < cols) {
             a.grad[base + tid] = total;
             sq += (double)total * (double)total;
             if (base == p_begin) g0 = total;
         }
     }
-    sq = block_sum(sq, scratch);
-
-    if (blk == 0 && tid == 0 && !entropy_on) head[0] = 0.f;
-    if (blk == 0 && entropy_on) {  // batch action entropy → EMA in the proposed ISV
+    // The last block has the smallest parameter slice (often none): it folds the entropy.
+    const bool folds_entropy = blk == G - 1;
+    if (folds_entropy && tid == 0 && !entropy_on) head[0] = 0.f;
+    if (folds_entropy && entropy_on) {  // batch action entropy → EMA in the proposed ISV
         double term = 0.0;
         for (int base = 0; base < N_ACTIONS; base += THREADS) {
             const int cols = min(THREADS, N_ACTIONS - base);
-            const int c = sum_columns(a.part_counts + base, N_ACTIONS, cols, G,
-                                      reinterpret_cast<int*>(red));
+            const unsigned int c = sum_columns(a.part_counts + base, N_ACTIONS, cols, G,
+                                               reinterpret_cast<unsigned int*>(red), a.epoch);
             if (tid < cols && c > 0) {
                 const double p = (double)c / (double)B;
                 term -= p * log(p);
             }
         }
         const double entropy = block_sum(term, scratch);
-        if (tid == 0) {  // the slot was copied in phase 1, before the barrier
+        if (tid == 0) {  // phase 1 left this slot to this block
             const int s = a.entropy_slot;
             const float h = (float)entropy;
             head[0] = h;
@@ -429,7 +468,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
     }
 
     float scale = 1.f;
-    if (a.max_norm > 0.0) {  // clipping needs the global norm: one more grid barrier
+    const bool clipping = a.max_norm > 0.0;
+    if (clipping) {  // clipping needs the global norm now: one more grid barrier
+        sq = block_sum(sq, scratch);
         if (tid == 0) a.part_sq[blk] = sq;
         grid_barrier(a.arrivals, a.epoch + 1);
         if (tid < 32) {  // lane l adds blocks [l·G/32, (l+1)·G/32), then a fixed butterfly
@@ -468,8 +509,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) learner_step(const StepArg
         finite = finite && isfinite(g) && isfinite(th) && isfinite(tg) && isfinite(m1) &&
                  isfinite(v1);
     }
+    if (!clipping) {  // the slice norm is only reported: its block sum shares the last barrier
+        sq = warp_sum(sq);
+        if (lane == 0) warp_stats[warp][0] = sq;
+    }
     finite = __syncthreads_and(finite);
     if (tid == 0) {
+        if (!clipping) {
+            sq = 0.0;
+            for (int w = 0; w < THREADS / 32; ++w) sq += warp_stats[w][0];
+        }
         head[1 + blk] = finite ? 1.f : 0.f;
         head[1 + G + blk] = (float)sqrt(sq);
     }

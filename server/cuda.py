@@ -8,7 +8,8 @@ pending copy from the current one, :meth:`CudaBackend.commit` swaps an index.
 Per step the host does one H2D copy of a packed pinned input buffer, one cooperative
 launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
 ``kernels/learner_step.cu``); it then adds the G per-block loss, Q and norm partials in
-block order.  ``learner_step`` is compiled at two row tiles: the smaller serves batches
+block order.  Blocks hand each other partials as words tagged with the launch's epoch
+(``kernels/dueling_common.cuh``); the host numbers the launches.  ``learner_step`` is compiled at two row tiles: the smaller serves batches
 that need at most one block per SM, the larger the rest.
 """
 
@@ -146,13 +147,14 @@ class CudaBackend(Backend):
                                  cp.zeros(S, np.float32), cp.zeros(S, np.int32))
                            for _ in range(2)]
             G, P = self.max_blocks, self.stride
-            self._part_grad = cp.zeros((G, P), np.float32)   # per-block gradient partials
+            self._part_grad = cp.zeros((G, P), np.uint64)    # per-block gradient partials
             self._part_sq = cp.zeros(G, np.float64)          # per-block ‖g‖² (clipping)
-            self._part_counts = cp.zeros((G, N), np.int32)   # per-block action counts
+            self._part_counts = cp.zeros((G, N), np.uint64)  # per-block action counts
             self._grad = cp.zeros(P, np.float32)             # reduced gradient
             self._arrivals = cp.zeros(G, np.uint32)          # grid-barrier flags
             self._act_out = cp.empty(0, np.float32)          # Act's Q-values [B*N]
             self._ent_out = cp.zeros(2, np.float32)          # entropy, EMA
+            self._ent_part = cp.zeros((self._ent_max_blocks, N), np.uint64)  # block counts
         self._epoch = 1
         self._inputs, self._outputs = _Staging(), _Staging()
         self._cur = 0
@@ -192,10 +194,10 @@ class CudaBackend(Backend):
                                               big_layout[2]))
         entropy = cp.RawModule(code=kernel_source("action_entropy.cu"), options=sizes)
         self._ent_fn = entropy.get_function("action_entropy")
-        self._ent_threads, self._ent_smem = (
-            int(x) for x in cp.ndarray(2, np.uint32, entropy.get_global("entropy_layout")).get())
-        for fn, smem in [(k.fn, k.smem) for k in self._steps] + [
-                (self._qv_fn, self._qv_smem), (self._ent_fn, self._ent_smem)]:
+        self._ent_threads, self._ent_block_actions, max_blocks = (
+            int(x) for x in cp.ndarray(3, np.uint32, entropy.get_global("entropy_layout")).get())
+        self._ent_max_blocks = min(max_blocks, self.max_blocks)
+        for fn, smem in [(k.fn, k.smem) for k in self._steps] + [(self._qv_fn, self._qv_smem)]:
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
 
@@ -291,7 +293,7 @@ class CudaBackend(Backend):
             part_grad=self._part_grad.data.ptr, part_sq=self._part_sq.data.ptr,
             part_counts=self._part_counts.data.ptr, grad=self._grad.data.ptr,
             arrivals=self._arrivals.data.ptr,
-            max_norm=c.max_grad_norm, epoch=self._epoch,
+            max_norm=c.max_grad_norm, epoch=self._next_epoch(),
             batch=batch_size, rows_per_block=R, has_weights=has_weights,
             double_dqn=c.double_dqn, adam=c.optimizer == "adam",
             update_target=t % c.target_update_period == 0,
@@ -301,12 +303,30 @@ class CudaBackend(Backend):
             step_size=np.float32(c.lr / (1 - c.beta1 ** t)),
             sqrt_bc2=np.float32(np.sqrt(1 - c.beta2 ** t)),
             tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
-        self._epoch = (self._epoch + 2) & 0xFFFFFFFF  # up to two barriers per launch
         kernel = self.step_kernel(batch_size)
-        kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-        driver.launchCooperativeKernel(kernel.fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
-                                       kernel.smem, self.stream.ptr,
-                                       ctypes.addressof(kernel_params))
+        self._launch_cooperative(kernel.fn, G, THREADS, kernel.smem, args)
+
+    def _next_epoch(self) -> int:
+        """The next launch's epoch (it also uses epoch − 1 and epoch + 1).
+
+        Epochs only grow, so no word left by an earlier launch carries the current one; before
+        the 32-bit counter would wrap, every tagged buffer and barrier flag is zeroed and the
+        count restarts.
+        """
+        if self._epoch + 2 > 0xFFFFFFFF:
+            with self.stream:
+                for buf in (self._part_grad, self._part_counts, self._arrivals, self._ent_part):
+                    buf.fill(0)
+            self._epoch = 1
+        epoch, self._epoch = self._epoch, self._epoch + 2
+        return epoch
+
+    def _launch_cooperative(self, fn: cp.RawKernel, blocks: int, threads: int, smem: int,
+                            *args: ctypes._SimpleCData | ctypes.Structure) -> None:
+        """Enqueue ``fn`` on the stream with every block resident (ctypes arguments)."""
+        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        driver.launchCooperativeKernel(fn.kernel.ptr, blocks, 1, 1, threads, 1, 1, smem,
+                                       self.stream.ptr, ctypes.addressof(params))
 
     def propose(self, batch: Batch) -> StepOutputs:
         B = batch.size
@@ -344,10 +364,20 @@ class CudaBackend(Backend):
             entropy, ema = self._ent_out.get(stream=self.stream)
         return float(entropy), float(ema)
 
+    def entropy_grid(self, m: int) -> tuple[int, int]:
+        """(blocks G, actions per block P, a multiple of 32) of the entropy kernel."""
+        blocks = max(1, min(self._ent_max_blocks, -(-m // self._ent_block_actions)))
+        return blocks, -(-m // (32 * blocks)) * 32
+
     def launch_entropy(self, actions: cp.ndarray, slot: int, alpha: float) -> None:
         """Enqueue the entropy kernel on device-resident ``actions`` [M] int32 (no sync)."""
         cur = self._slots[self._cur]
-        self._ent_fn((1,), (self._ent_threads,),
-                     (actions, np.int32(actions.shape[0]), cur.isv, cur.observed, np.int32(slot),
-                      np.float32(alpha), np.float32(1.0 - alpha), self._ent_out),
-                     shared_mem=self._ent_smem, stream=self.stream)
+        m = actions.shape[0]
+        G, P = self.entropy_grid(m)
+        ptr = ctypes.c_void_p
+        self._launch_cooperative(
+            self._ent_fn, G, self._ent_threads, 0,
+            ptr(actions.data.ptr), ctypes.c_int(m), ctypes.c_int(P), ptr(cur.isv.data.ptr),
+            ptr(cur.observed.data.ptr), ctypes.c_int(slot), ctypes.c_float(alpha),
+            ctypes.c_float(1.0 - alpha), ptr(self._ent_out.data.ptr),
+            ptr(self._ent_part.data.ptr), ctypes.c_uint(self._next_epoch()))
