@@ -100,6 +100,21 @@ __device__ __forceinline__ void stash_rows(const vec_t (&regs)[FETCH_PER_THREAD]
     }
 }
 
+// Whether every fetched value is finite (rows past the end are fetched as zeros).
+__device__ __forceinline__ bool all_finite(const vec_t (&regs)[FETCH_PER_THREAD]) {
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < FETCH_PER_THREAD; ++k) {
+#if VW == 4
+        ok = ok && isfinite(regs[k].x) && isfinite(regs[k].y) && isfinite(regs[k].z) &&
+             isfinite(regs[k].w);
+#else
+        ok = ok && isfinite(regs[k]);
+#endif
+    }
+    return ok;
+}
+
 // Dot product of a feature row in shared memory with a weight row (shared or global).
 __device__ __forceinline__ float dot_row(const float* __restrict__ x, const float* __restrict__ w) {
 #if VW == 4

@@ -22,7 +22,9 @@
 // Packed inputs (floats; B = batch):  h_t [B,H] | h_tp1 [B,H] | actions [B] (int32 bits) |
 //   rewards [B] | dones [B] | discounts [B] | weights [B] (only if has_weights)
 // Packed outputs: td_errors [B] | priorities [B] | entropy | per block g < G:
-//   finite[g] (1.0 = finite) | grad_norm[g] (of its slice) | loss_sum[g] | q_sum[g]
+//   finite[g] (1.0 = finite) | grad_norm[g] (of its slice) | loss_sum[g] | q_sum[g] |
+//   features_ok[g] (1.0 = every h_t and h_tp1 value of its rows is finite: the host skips
+//   that pass over the batch and looks for the culprit only when a block says 0.0)
 
 #include "dueling_common.cuh"
 
@@ -255,12 +257,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
 #endif
     tagged_t* my_part = a.part_grad + (size_t)blk * PARAM_STRIDE;
     double loss_w = 0.0, q_w = 0.0;  // this lane's rows (first lane of each row group)
+    bool features_ok = true;          // every feature value this thread fetched is finite
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int row0 = row_begin + tile * ROW_TILE;
         const int rows = max(0, min(ROW_TILE, row_end - row0));
         stash_rows(fetch_t, ht);
         stash_rows(fetch_n, hn);
+        features_ok = features_ok && all_finite(fetch_t) && all_finite(fetch_n);
         if (tid < ROW_TILE) {
             for (int k = 0; k < 4; ++k) row_f[tid * 4 + k] = fetch_f[k];
             row_act[tid] = fetch_act;
@@ -407,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
         warp_stats[warp][0] = loss_w;
         warp_stats[warp][1] = q_w;
     }
-    __syncthreads();
+    features_ok = __syncthreads_and(features_ok);
     if (tid == 0) {
         double loss = 0.0, qsum = 0.0;
         for (int w = 0; w < THREADS / 32; ++w) {
@@ -416,6 +420,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
         }
         head[1 + 2 * G + blk] = (float)loss;
         head[1 + 3 * G + blk] = (float)qsum;
+        head[1 + 4 * G + blk] = features_ok ? 1.f : 0.f;
     }
 
     // ---- Phase 2: this block's parameter slice ------------------------------------

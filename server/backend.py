@@ -4,6 +4,8 @@ A backend owns the learner state (host or device memory) and does the
 arithmetic of DESIGN §2–§3.  A step is two-phase: :meth:`Backend.propose`
 computes the candidate state and the outputs without touching the current
 state; the learner then calls :meth:`Backend.commit` or :meth:`Backend.discard`.
+Before its turn, a batch may already be sent on its way to the device with
+:meth:`Backend.upload` (outside the learner's lock, so copies overlap other steps).
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class StepOutputs:
     grad_norm: float          # global L2 norm of the gradient before clipping
     finite: bool              # TD errors, gradients and every new tensor are finite
     entropy: float | None     # the batch's action entropy when step_entropy_slot is set
+    features_finite: bool = True  # every h_t, h_tp1 value is finite (see checks_features)
+
+
+class Upload(abc.ABC):
+    """A batch on its way to the device (:meth:`Backend.upload`); close it if unused."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Give the staging space back (idempotent; propose closes what it uses)."""
 
 
 class Backend(abc.ABC):
@@ -36,6 +47,9 @@ class Backend(abc.ABC):
 
     name: str    # "reference" | "cuda"
     device: str  # human-readable device name
+    checks_features = False
+    """True: propose reports whether the features are all finite (StepOutputs.features_finite)
+    while it reads them, so validation skips that pass over the batch on the host."""
 
     def __init__(self, config: LearnerConfig, state: LearnerState):
         self.config = config
@@ -61,9 +75,15 @@ class Backend(abc.ABC):
     def q_values(self, h: np.ndarray, target: bool = False) -> np.ndarray:
         """[B, H] float32 → [B, N] float32 Q-values under θ (or θ⁻)."""
 
+    def upload(self, batch: Batch) -> Upload | None:
+        """Start copying a validated batch to the device before its step (thread-safe; may
+        run while another step does). None: nothing to do, or no staging space free now."""
+        return None
+
     @abc.abstractmethod
-    def propose(self, batch: Batch) -> StepOutputs:
-        """Compute step ``self.step + 1`` on a validated batch; keep it pending."""
+    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
+        """Compute step ``self.step + 1`` on a validated batch (sent ahead by ``upload``
+        when given); keep it pending."""
 
     @abc.abstractmethod
     def commit(self) -> None:

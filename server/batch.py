@@ -64,8 +64,10 @@ def validate_actions(actions, n_actions: int, name: str = "actions",
     return a.astype(np.int32, copy=False)
 
 
-def validate_features(h, hidden_dim: int, name: str, rows: int | None = None) -> np.ndarray:
-    """Check a [B, H] feature matrix; return it as C-contiguous float32."""
+def validate_features(h, hidden_dim: int, name: str, rows: int | None = None, *,
+                      finite: bool = True) -> np.ndarray:
+    """Check a [B, H] feature matrix (values finite unless ``finite`` is False: the caller
+    checks them elsewhere); return it as C-contiguous float32."""
     a = _array(name, h)
     if a.dtype not in FEATURE_DTYPES:
         raise InvalidArgument(name, f"dtype must be float32 or float16, got {a.dtype}")
@@ -75,22 +77,32 @@ def validate_features(h, hidden_dim: int, name: str, rows: int | None = None) ->
         raise InvalidArgument(name, f"has {a.shape[0]} rows, expected B={rows}")
     if a.shape[0] == 0:
         raise InvalidArgument(name, "has no rows (B = 0)")
-    _finite(name, a)
+    if finite:
+        _finite(name, a)
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int) -> Batch:
+def check_features_finite(batch: Batch) -> None:
+    """Raise InvalidArgument naming the first non-finite feature value of ``batch``."""
+    _finite("h_t", batch.h_t)
+    _finite("h_tp1", batch.h_tp1)
+
+
+def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
+                   finite_features: bool = True) -> Batch:
     """Check every field of ``batch`` (DESIGN §6); return a float32/int32 copy-free view.
 
     Raises InvalidArgument naming the first bad field, or ResourceExhausted when
-    B exceeds ``max_batch_size``.
+    B exceeds ``max_batch_size``.  ``finite_features=False`` leaves the finiteness of
+    h_t and h_tp1 to the caller (a backend that checks it on the device).
     """
     if not isinstance(batch, Batch):
         raise InvalidArgument("batch", f"must be a Batch, got {type(batch).__name__}")
     actions = validate_actions(batch.actions, config.n_actions, max_len=max_batch_size)
     B = actions.shape[0]
-    h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B)
-    h_tp1 = validate_features(batch.h_tp1, config.hidden_dim, "h_tp1", rows=B)
+    h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B, finite=finite_features)
+    h_tp1 = validate_features(batch.h_tp1, config.hidden_dim, "h_tp1", rows=B,
+                              finite=finite_features)
 
     def vector(name: str, value) -> np.ndarray:
         a = _array(name, value)

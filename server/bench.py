@@ -25,6 +25,8 @@ on top of the wire.  Server-side overhead per step is measured in-line on the
 in-process server by an interceptor (protobuf parse and serialise in grpc's
 (de)serializers, time in the handler) and a timed backend wrapper (``propose``,
 ``commit``): overhead = parse + handler − propose − commit − lock wait + serialise.
+The copy into pinned memory towards the device (``upload``, before the step's turn on
+the cuda backend) is not subtracted: it counts as overhead.
 A breakdown by phase (tensor decode, validation, response encode) is timed off-line
 on the same sizes.  On a cuda backend the device step time against PyTorch comes
 from benchmarks/device_step.py (the CUDA benchmark), when it is present.
@@ -66,7 +68,7 @@ import numpy as np
 from duelq.client.client import LearnerClient, _train_result, encode_batch, encode_batch_wire
 from duelq.v1 import learner_pb2 as pb
 
-from .backend import Backend, StepOutputs
+from .backend import Backend, StepOutputs, Upload
 from .batch import Batch, validate_batch
 from .config import LearnerConfig
 from .learner import Learner, StepResult, make_backend
@@ -255,7 +257,7 @@ class NullBackend(ReferenceBackend):
     def step(self) -> int:
         return self._steps
 
-    def propose(self, batch: Batch) -> StepOutputs:
+    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
         zeros = np.zeros(batch.h_t.shape[0], np.float32)
         return StepOutputs(loss=0.0, td_errors=zeros, priorities=zeros, q_taken_mean=0.0,
                            grad_norm=0.0, finite=True, entropy=None)
@@ -274,6 +276,7 @@ class TimedBackend(Backend):
         self.inner = inner
         self.config = inner.config
         self.name, self.device = inner.name, inner.device
+        self.checks_features = inner.checks_features
         self.seconds = 0.0       # wall, propose + commit (+ discard)
         self.cpu_seconds = 0.0   # CPU time of the calling thread in them
 
@@ -292,8 +295,11 @@ class TimedBackend(Backend):
             self.seconds += time.perf_counter() - t0
             self.cpu_seconds += time.thread_time() - c0
 
-    def propose(self, batch: Batch) -> StepOutputs:
-        return self._timed(self.inner.propose, batch)
+    def upload(self, batch: Batch) -> Upload | None:  # the copy: not timed as backend work
+        return self.inner.upload(batch)
+
+    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
+        return self._timed(self.inner.propose, batch, upload)
 
     def commit(self) -> None:
         self._timed(self.inner.commit)

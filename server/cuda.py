@@ -8,7 +8,10 @@ pending copy from the current one, :meth:`CudaBackend.commit` swaps an index.
 Per step the host does one H2D copy of a packed pinned input buffer, one cooperative
 launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
 ``kernels/learner_step.cu``); it then adds the G per-block loss, Q and norm partials in
-block order.  Blocks hand each other partials as words tagged with the launch's epoch
+block order.  The kernel also reports whether every feature value was finite, so the host
+skips that pass over the batch.  :meth:`CudaBackend.upload` packs a batch into one of a
+few pinned slots and starts its copy on a second stream before the step's turn; the step
+then waits for that copy on the device instead of making it.  Blocks hand each other partials as words tagged with the launch's epoch
 (``kernels/dueling_common.cuh``); the host numbers the launches.  ``learner_step`` is compiled at two row tiles: the smaller serves batches
 that need at most one block per SM, the larger the rest.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import queue
 import re
 from dataclasses import dataclass
 
@@ -25,13 +29,15 @@ import numpy as np
 from cupy_backends.cuda.api import driver
 
 from ..kernels import source
-from .backend import Backend, StepOutputs
+from .backend import Backend, StepOutputs, Upload
 from .batch import Batch
 from .config import LearnerConfig
 from .state import LearnerState, Params
 
 THREADS = 256             # threads per block of learner_step and q_values
 STATIC_SMEM_SLACK = 4096  # bytes of static shared memory besides the per-action counts
+UPLOAD_SLOTS = 3          # batches that may be on their way to the device at once
+UPLOAD_MAX_WORDS = 1 << 24  # larger batches are packed at their step (64 MiB a slot at most)
 
 
 def kernel_source(name: str) -> str:
@@ -89,7 +95,7 @@ class StepKernel:
 
 
 @dataclass
-class _Slot:
+class _State:
     """One copy of the mutable state on the device."""
 
     params: cp.ndarray    # [4, stride] float32: θ, θ⁻, Adam m, Adam v
@@ -120,6 +126,41 @@ class _Staging:
         cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.device.data.ptr, 4 * words,
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
+    def pack(self, batch: Batch) -> int:
+        """Write ``batch`` in the kernel's packed input layout; returns the words used."""
+        B, H = batch.size, batch.h_t.shape[1]
+        BH = B * H
+        words = 2 * BH + (5 if batch.weights is not None else 4) * B
+        host = self.reserve(words)
+        host[:BH] = batch.h_t.reshape(-1)
+        host[BH:2 * BH] = batch.h_tp1.reshape(-1)
+        host[2 * BH:2 * BH + B].view(np.int32)[:] = batch.actions
+        for i, column in enumerate((batch.rewards, batch.dones, batch.discounts, batch.weights)):
+            if column is not None:
+                host[2 * BH + (i + 1) * B:2 * BH + (i + 2) * B] = column
+        return words
+
+
+class _Slot:
+    """A pinned staging buffer for uploads and the event of its last H2D copy."""
+
+    def __init__(self):
+        self.staging = _Staging()
+        self.copied = cp.cuda.Event(disable_timing=True)
+
+
+class _Uploaded(Upload):
+    """One batch in a slot, waiting for its step; closing returns the slot."""
+
+    def __init__(self, slot: _Slot, free: "queue.SimpleQueue[_Slot]"):
+        self.slot: _Slot | None = slot
+        self._free = free
+
+    def close(self) -> None:
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self._free.put(slot)
+
 
 class CudaBackend(Backend):
     """Learner state resident on the current CUDA device; kernels compiled for the config.
@@ -129,6 +170,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    checks_features = True
 
     def __init__(self, config: LearnerConfig, state: LearnerState, *,
                  row_tile: int | None = None):
@@ -143,8 +185,8 @@ class CudaBackend(Backend):
         self._compile(row_tile, max_smem)
         self.stream = cp.cuda.Stream(non_blocking=True)
         with self.stream:
-            self._slots = [_Slot(cp.zeros((4, self.stride), np.float32),
-                                 cp.zeros(S, np.float32), cp.zeros(S, np.int32))
+            self._slots = [_State(cp.zeros((4, self.stride), np.float32),
+                                  cp.zeros(S, np.float32), cp.zeros(S, np.int32))
                            for _ in range(2)]
             G, P = self.max_blocks, self.stride
             self._part_grad = cp.zeros((G, P), np.uint64)    # per-block gradient partials
@@ -157,6 +199,10 @@ class CudaBackend(Backend):
             self._ent_part = cp.zeros((self._ent_max_blocks, N), np.uint64)  # block counts
         self._epoch = 1
         self._inputs, self._outputs = _Staging(), _Staging()
+        self._upload_stream = cp.cuda.Stream(non_blocking=True)
+        self._free_uploads: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for _ in range(UPLOAD_SLOTS):
+            self._free_uploads.put(_Slot())
         self._cur = 0
         self._pending = False
         self._step = 0
@@ -266,21 +312,25 @@ class CudaBackend(Backend):
         return blocks, -(-batch_size // blocks)
 
     def stage(self, batch: Batch) -> None:
-        """Pack ``batch`` into the pinned input buffer and start its H2D copy."""
-        B, H = batch.size, self.config.hidden_dim
-        BH = B * H
-        words = 2 * BH + (5 if batch.weights is not None else 4) * B
-        host = self._inputs.reserve(words)
-        host[:BH] = batch.h_t.reshape(-1)
-        host[BH:2 * BH] = batch.h_tp1.reshape(-1)
-        host[2 * BH:2 * BH + B].view(np.int32)[:] = batch.actions
-        for i, column in enumerate((batch.rewards, batch.dones, batch.discounts, batch.weights)):
-            if column is not None:
-                host[2 * BH + (i + 1) * B:2 * BH + (i + 2) * B] = column
-        self._inputs.upload(words, self.stream)
+        """Pack ``batch`` into the step's own pinned input buffer and start its H2D copy."""
+        self._inputs.upload(self._inputs.pack(batch), self.stream)
 
-    def launch(self, batch_size: int, has_weights: bool) -> None:
-        """Enqueue the step kernel on the staged inputs (no copies, no sync)."""
+    def upload(self, batch: Batch) -> Upload | None:
+        B, H = batch.size, self.config.hidden_dim
+        if 2 * B * H + 5 * B > UPLOAD_MAX_WORDS:
+            return None
+        try:
+            slot = self._free_uploads.get_nowait()
+        except queue.Empty:
+            return None
+        slot.copied.synchronize()  # its previous copy out of the host buffer has finished
+        slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
+        slot.copied.record(self._upload_stream)
+        return _Uploaded(slot, self._free_uploads)
+
+    def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None) -> None:
+        """Enqueue the step kernel on staged ``inputs`` (default: the step's own buffer);
+        no copies, no sync."""
         c = self.config
         t = self._step + 1
         G, R = self.grid(batch_size)
@@ -289,7 +339,8 @@ class CudaBackend(Backend):
             state=cur.params.data.ptr, next=nxt.params.data.ptr,
             isv=cur.isv.data.ptr, isv_next=nxt.isv.data.ptr,
             observed=cur.observed.data.ptr, observed_next=nxt.observed.data.ptr,
-            inputs=self._inputs.device.data.ptr, out=self._outputs.device.data.ptr,
+            inputs=(self._inputs.device if inputs is None else inputs).data.ptr,
+            out=self._outputs.device.data.ptr,
             part_grad=self._part_grad.data.ptr, part_sq=self._part_sq.data.ptr,
             part_counts=self._part_counts.data.ptr, grad=self._grad.data.ptr,
             arrivals=self._arrivals.data.ptr,
@@ -328,18 +379,30 @@ class CudaBackend(Backend):
         driver.launchCooperativeKernel(fn.kernel.ptr, blocks, 1, 1, threads, 1, 1, smem,
                                        self.stream.ptr, ctypes.addressof(params))
 
-    def propose(self, batch: Batch) -> StepOutputs:
+    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
         B = batch.size
         G, _ = self.grid(B)
-        words = 2 * B + 1 + 4 * G
+        words = 2 * B + 1 + 5 * G
         self._outputs.reserve(words)
-        self.stage(batch)
-        self.launch(B, batch.weights is not None)
-        self._outputs.download(words, self.stream)
-        self.stream.synchronize()
+        slot = upload.slot if isinstance(upload, _Uploaded) else None
+        if slot is not None:
+            self.stream.wait_event(slot.copied)
+            inputs = slot.staging.device
+        else:
+            self.stage(batch)
+            inputs = None
+        try:
+            self.launch(B, batch.weights is not None, inputs)
+            self._outputs.download(words, self.stream)
+            self.stream.synchronize()
+        finally:
+            if upload is not None:
+                upload.close()
         out = self._outputs.host
-        # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums.
-        finite, norms, losses, q_sums = out[2 * B + 1:words].astype(np.float64).reshape(4, G)
+        # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums,
+        # features finite.
+        finite, norms, losses, q_sums, features = (
+            out[2 * B + 1:words].astype(np.float64).reshape(5, G))
         loss, q_mean = float(losses.sum() / B), float(q_sums.sum() / B)
         self._pending = True
         return StepOutputs(
@@ -347,7 +410,8 @@ class CudaBackend(Backend):
             priorities=out[B:2 * B].copy(), q_taken_mean=q_mean,
             grad_norm=float(np.sqrt(np.square(norms).sum())),
             finite=bool(np.all(finite == 1.0)) and math.isfinite(loss) and math.isfinite(q_mean),
-            entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None)
+            entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
+            features_finite=bool(np.all(features == 1.0)))
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

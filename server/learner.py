@@ -3,7 +3,9 @@
 This is the object the gRPC service calls.  Every public method checks its
 inputs first and raises :class:`InvalidArgument` naming the field; a refused
 call leaves the state bit-identical.  Calls are serialised by one lock, so
-steps apply one at a time in arrival order.
+steps apply one at a time in arrival order.  :meth:`Learner.prepare` does a
+step's checks and starts its copy to the device without that lock, so the
+service can run it while another step holds the device.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Iterable
 
 import numpy as np
 
-from .backend import Backend
-from .batch import Batch, validate_actions, validate_batch, validate_features
+from .backend import Backend, Upload
+from .batch import (Batch, check_features_finite, validate_actions, validate_batch,
+                    validate_features)
 from .config import LearnerConfig
 from .errors import InvalidArgument, NonFiniteStep, ResourceExhausted
 from .state import LearnerState, Params
@@ -53,6 +56,24 @@ class ISVValue:
     name: str       # "" if the index has no name
     value: float
     observed: bool
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated batch, maybe already on its way to the device (:meth:`Learner.prepare`).
+
+    A context manager: leaving it gives unused staging space back.
+    """
+
+    batch: Batch
+    upload: Upload | None
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.upload is not None:
+            self.upload.close()
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -104,11 +125,23 @@ class Learner:
     def step_count(self) -> int:
         return self.backend.step
 
-    def step(self, batch: Batch) -> StepResult:
-        """Validate ``batch``, run one step, commit it unless it is non-finite."""
-        batch = validate_batch(batch, self.config, self.max_batch_size)
-        with self._lock:
-            out = self.backend.propose(batch)
+    def prepare(self, batch: Batch) -> Prepared:
+        """Validate ``batch`` and start its copy to the device; no lock is taken."""
+        batch = validate_batch(batch, self.config, self.max_batch_size,
+                               finite_features=not self.backend.checks_features)
+        return Prepared(batch, self.backend.upload(batch))
+
+    def step(self, batch: Batch | Prepared) -> StepResult:
+        """Validate ``batch`` (unless prepared), run one step, commit it unless it is
+        non-finite."""
+        prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
+        with prepared, self._lock:
+            out = self.backend.propose(prepared.batch, prepared.upload)
+            if not out.features_finite:  # the backend's check; the host names the culprit
+                self.backend.discard()
+                check_features_finite(prepared.batch)
+                raise RuntimeError("the backend reported non-finite features the host "
+                                   "does not find")
             if not out.finite:
                 self.backend.discard()
                 raise NonFiniteStep(

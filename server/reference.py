@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import Backend, StepOutputs
+from .backend import Backend, StepOutputs, Upload
 from .batch import Batch
 from .config import LearnerConfig
 from .state import LearnerState, Params
@@ -174,7 +174,7 @@ class ReferenceBackend(Backend):
         p = self._state.target if target else self._state.params
         return q_values(p.astype(self.dtype), h.astype(self.dtype)).astype(np.float32)
 
-    def propose(self, batch: Batch) -> StepOutputs:
+    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
         with np.errstate(over="ignore", invalid="ignore"):  # overflow → finite=False
             self._pending, outputs = train_step(self._state, batch, self.config, self.dtype)
         return outputs

@@ -7,7 +7,8 @@ NonFiniteStep → FAILED_PRECONDITION, AlreadyApplied → ALREADY_EXISTS, anythi
 unexpected → INTERNAL with a reference number, the traceback only in the log.
 
 State changes (train steps, entropy EMAs), and Act's read of θ with its
-version, run under one lock, so keys are checked and recorded atomically with
+version, run under one lock (a train request is decoded, checked and sent on its way
+to the device before it queues for that lock), so keys are checked and recorded atomically with
 the step they guard and steps apply one at a time in arrival order.  At most
 ``max_queue`` requests wait for that lock (RESOURCE_EXHAUSTED past it).  A
 request whose deadline passes, or whose client goes away, while it waits is
@@ -252,14 +253,16 @@ class LearnerService(pb_grpc.LearnerServicer):
     def _train(self, request: pb.TrainRequest,
                context: grpc.ServicerContext | None) -> pb.TrainResponse:
         learner = self.learner
-        batch = decode_batch(request)
-
-        def apply() -> pb.TrainResponse:
-            response = train_response(learner.step(batch), request.key)
-            if self.checkpoints is not None:  # under the apply lock: steps arrive in order
-                self.checkpoints.notify(response.step)
-            return response
-        return self._keyed(request.key, pb.TrainResponse, apply, context)
+        ReplayGuard.check_key(request.key.actor_id, request.key.seq)
+        # Checks and the copy towards the device run before the apply lock, beside the
+        # step that holds it; a replayed key's upload is simply given back.
+        with learner.prepare(decode_batch(request)) as prepared:
+            def apply() -> pb.TrainResponse:
+                response = train_response(learner.step(prepared), request.key)
+                if self.checkpoints is not None:  # under the apply lock: steps arrive in order
+                    self.checkpoints.notify(response.step)
+                return response
+            return self._keyed(request.key, pb.TrainResponse, apply, context)
 
     @_rpc
     def TrainStep(self, request, context):

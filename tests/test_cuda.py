@@ -18,7 +18,7 @@ import pytest
 from duelq.server import reference
 from duelq.server.batch import Batch
 from duelq.server.config import LearnerConfig
-from duelq.server.errors import NonFiniteStep
+from duelq.server.errors import InvalidArgument, NonFiniteStep
 from duelq.server.learner import Learner, cuda_usable
 from duelq.server.state import LearnerState, Params
 
@@ -38,7 +38,7 @@ def poison(backend, batch_size: int = 0) -> None:
     """NaN-fill (−7 for ints) every buffer that a step, Act or entropy call writes; tagged
     partials get a NaN value under the previous launch's epoch (what a stale word looks like)."""
     import cupy as cp
-    backend._outputs.reserve(2 * batch_size + 1 + 4 * backend.max_blocks)
+    backend._outputs.reserve(2 * batch_size + 1 + 5 * backend.max_blocks)
     stale = np.uint64((((backend._epoch - 2) % 2**32) << 32) | 0x7FC00000)
     with backend.stream:
         pending = backend._slots[1 - backend._cur]
@@ -485,6 +485,52 @@ def test_epoch_wraparound_changes_nothing():
         runs.append((backend.snapshot().checksum(), outs, backend._epoch < 100))
     assert runs[0][:2] == runs[1][:2]
     assert runs[1][2], "the epoch did not wrap"
+
+
+@pytest.mark.parametrize("B", [31, 4096])
+def test_non_finite_features_are_found_on_the_device(B):
+    """The host skips the features' finiteness pass on cuda; the kernel's flag makes the
+    learner refuse the batch with the same message, state unchanged, at any position."""
+    config = LearnerConfig(hidden_dim=64, n_actions=11, step_entropy_slot=SLOT)
+    rng = np.random.default_rng(B)
+    state = random_state(config, rng, 3)
+    learner = Learner(config, backend=cuda_backend(config, state))
+    assert learner.backend.checks_features
+    sane = random_batch(rng, B, config, state, True)
+    before = learner.snapshot().checksum()
+    H = config.hidden_dim
+    for field, flat, value in (("h_t", 0, np.nan), ("h_tp1", B * H - 1, np.inf),
+                               ("h_t", (B // 2) * H + 5, -np.inf), ("h_tp1", H + 1, np.nan)):
+        bad = getattr(sane, field).copy()
+        bad.reshape(-1)[flat] = value
+        with pytest.raises(InvalidArgument, match=rf"{field}.*NaN or Inf.*index {flat}\b"):
+            learner.step(dataclasses.replace(sane, **{field: bad}))
+        assert learner.snapshot().checksum() == before and learner.step_count == 3
+    learner.step(sane)  # the refusals left nothing behind
+    assert learner.step_count == 4
+
+
+def test_uploaded_batches_step_exactly_like_staged_ones():
+    """Batches sent ahead with prepare() (more than there are upload slots, one never
+    stepped) give bit for bit what the same batches give staged at their step."""
+    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
+    rng = np.random.default_rng(12)
+    start = random_state(config, rng, 0)
+    batches = [random_batch(rng, B, config, start, w)
+               for B, w in ((1024, True), (31, False), (4096, True), (1024, True), (7, False))]
+    plain = Learner(config, backend=cuda_backend(config, start))
+    want = [plain.step(b) for b in batches]
+    ahead = Learner(config, backend=cuda_backend(config, start))
+    prepared = [ahead.prepare(b) for b in batches]
+    assert sum(p.upload is not None for p in prepared) == 3  # the slots, then staged at step
+    with ahead.prepare(batches[0]):  # sent ahead and never stepped: its slot comes back
+        pass
+    got = [ahead.step(p) for p in prepared]
+    for g, w in zip(got, want):
+        assert (g.loss, g.grad_norm, g.entropy, g.step) == (w.loss, w.grad_norm, w.entropy, w.step)
+        assert g.td_errors.tobytes() == w.td_errors.tobytes()
+    assert ahead.snapshot().checksum() == plain.snapshot().checksum()
+    assert sum(ahead.prepare(b).upload is not None for b in batches[:3]) == 3  # all came back
 
 
 def test_learner_auto_picks_cuda():

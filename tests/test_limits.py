@@ -31,12 +31,12 @@ class Gate:
         self._propose, self._hold = backend.propose, hold
         backend.propose = self.propose
 
-    def propose(self, batch):
+    def propose(self, batch, upload=None):
         if self._hold > 0:
             self._hold -= 1
             self.entered.release()
             self.opened.wait(30)
-        return self._propose(batch)
+        return self._propose(batch, upload)
 
 
 def wait_for(predicate, timeout: float = 10) -> None:
