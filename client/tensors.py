@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from duelq.v1 import learner_pb2 as pb
@@ -157,8 +158,9 @@ def tensor_wire(number: int, array: np.ndarray, field: str, *,
             memoryview(data).cast("B")]
 
 
-def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
-    """A Tensor as a (read-only) numpy array; bfloat16 comes back as float32.
+def decode(tensor: pb.Tensor, field: str, *, widen: bool = True) -> np.ndarray:
+    """A Tensor as a (read-only) numpy array; bfloat16 comes back as float32, or with
+    ``widen=False`` as the ``ml_dtypes.bfloat16`` view of its bytes.
 
     Raises :class:`InvalidArgument` naming ``field`` when the dtype is unknown,
     the shape is malformed or the byte length is not prod(shape) × itemsize.
@@ -185,4 +187,6 @@ def decode(tensor: pb.Tensor, field: str) -> np.ndarray:
         a = np.frombuffer(data, raw).reshape(shape)
     except ValueError as exc:  # e.g. [2**62, 2**62, 0]: zero bytes, unrepresentable dims
         raise _bad(field, f"shape {list(shape)} is not a valid array shape ({exc})") from None
-    return bfloat16_bits_to_float32(a) if name == "bfloat16" else a
+    if name != "bfloat16":
+        return a
+    return bfloat16_bits_to_float32(a) if widen else a.view(ml_dtypes.bfloat16)

@@ -2,6 +2,8 @@
 //
 // Sizes come from the configuration as compile-time defines:
 //   -DHIDDEN_DIM=<H> -DN_ACTIONS=<N> [-DROW_TILE=<feature rows per tile>]
+//   [-DFEATURES=<dtype of a step's h_t, h_tp1: 0 float32 (default), 1 float16, 2 bfloat16>]
+// 16-bit features are widened to float32 (exactly) as they are loaded.
 //
 // Device layout of one parameter set (θ, θ⁻, Adam m, Adam v all alike):
 //   weights [N_OUT][HIDDEN_DIM]  row 0 = w_v, row 1+a = W_a[:, a]
@@ -28,6 +30,10 @@
 #define PARAM_STRIDE (((N_PARAMS + 63) / 64) * 64)    // floats between parameter sets
 #define HS (((HIDDEN_DIM + 3) / 4) * 4 + 4)           // shared-memory row stride (floats)
 #define FULL_MASK 0xffffffffu
+#ifndef FEATURES
+#define FEATURES 0
+#endif
+#define FEATURE_BYTES (FEATURES == 0 ? 4 : 2)
 
 // Feature rows move as float4 when H allows it.
 #if HIDDEN_DIM % 4 == 0
@@ -78,16 +84,39 @@ __device__ __forceinline__ void vec_add(vec_t& acc, const vec_t x) {
 #endif
 }
 
-// Loads rows [row0, row0 + ROW_TILE) of x [*, H] into registers, every load in flight at
-// once; rows at or past row_end read as zero. Pair with stash_rows.
+// A 16-bit float's bits (the low half of `b`) as a float32: KIND 1 float16, 2 bfloat16.
+template <int KIND>
+__device__ __forceinline__ float widen16(unsigned int b) {
+    if (KIND == 2) return __uint_as_float(b << 16);
+    const unsigned short h = (unsigned short)b;
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Vector `at` of feature rows x of dtype KIND (0 float32, else 16-bit), as float32.
+template <int KIND>
+__device__ __forceinline__ vec_t load_vec(const void* __restrict__ x, size_t at) {
+    if (KIND == 0) return __ldg(reinterpret_cast<const vec_t*>(x) + at);
+#if VW == 4
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(x) + at);
+    return make_float4(widen16<KIND>(u.x & 0xffffu), widen16<KIND>(u.x >> 16),
+                       widen16<KIND>(u.y & 0xffffu), widen16<KIND>(u.y >> 16));
+#else
+    return widen16<KIND>(__ldg(reinterpret_cast<const unsigned short*>(x) + at));
+#endif
+}
+
+// Loads rows [row0, row0 + ROW_TILE) of x [*, H] (dtype KIND) into registers as float32,
+// every load in flight at once; rows at or past row_end read as zero. Pair with stash_rows.
+template <int KIND>
 __device__ __forceinline__ void fetch_rows(vec_t (&regs)[FETCH_PER_THREAD],
-                                           const float* __restrict__ x, int row0, int row_end) {
-    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+                                           const void* __restrict__ x, int row0, int row_end) {
 #pragma unroll
     for (int k = 0; k < FETCH_PER_THREAD; ++k) {
         const int i = threadIdx.x + k * THREADS, r = i / ROW_VECS, c = i - r * ROW_VECS;
         regs[k] = (i < TILE_VECS && row0 + r < row_end)
-                      ? __ldg(xv + (size_t)(row0 + r) * ROW_VECS + c) : vec_zero();
+                      ? load_vec<KIND>(x, (size_t)(row0 + r) * ROW_VECS + c) : vec_zero();
     }
 }
 

@@ -19,8 +19,9 @@
 // reduction whose order depends on timing. Per-block loss, Q and norm partials go out with
 // the outputs and the host adds them in block order.
 //
-// Packed inputs (floats; B = batch):  h_t [B,H] | h_tp1 [B,H] | actions [B] (int32 bits) |
-//   rewards [B] | dones [B] | discounts [B] | weights [B] (only if has_weights)
+// Packed inputs (B = batch): h_t [B,H] | h_tp1 [B,H] (FEATURES dtype) | then 32-bit words:
+//   actions [B] (int32) | rewards [B] | dones [B] | discounts [B] | weights [B] (only if
+//   has_weights)
 // Packed outputs: td_errors [B] | priorities [B] | entropy | per block g < G:
 //   finite[g] (1.0 = finite) | grad_norm[g] (of its slice) | loss_sum[g] | q_sum[g] |
 //   features_ok[g] (1.0 = every h_t and h_tp1 value of its rows is finite: the host skips
@@ -167,10 +168,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int blk = blockIdx.x, G = gridDim.x, B = a.batch;
     const size_t BH = (size_t)B * HIDDEN_DIM;
-    const float* h_t = a.in;                                           // [B, H]
-    const float* h_tp1 = a.in + BH;                                    // [B, H]
-    const int* actions = reinterpret_cast<const int*>(a.in + 2 * BH);  // [B]
-    const float* rewards = a.in + 2 * BH + B;  // [4][B] rewards, dones, discounts, weights
+    const char* in = reinterpret_cast<const char*>(a.in);
+    const void* h_t = in;                                              // [B, H] FEATURES
+    const void* h_tp1 = in + BH * FEATURE_BYTES;                       // [B, H] FEATURES
+    const float* tail = reinterpret_cast<const float*>(in + 2 * BH * FEATURE_BYTES);
+    const int* actions = reinterpret_cast<const int*>(tail);           // [B]
+    const float* rewards = tail + B;  // [4][B] rewards, dones, discounts, weights
     float* td = a.out;                         // [B]
     float* prio = a.out + B;                   // [B]
     float* head = a.out + 2 * B;               // [1 + 4G]
@@ -189,8 +192,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     float fetch_f[4];  // thread r < ROW_TILE: reward, done, discount, weight of row r
     int fetch_act = 0;
     auto fetch = [&](int row0) {
-        fetch_rows(fetch_t, h_t, row0, row_end);
-        fetch_rows(fetch_n, h_tp1, row0, row_end);
+        fetch_rows<FEATURES>(fetch_t, h_t, row0, row_end);
+        fetch_rows<FEATURES>(fetch_n, h_tp1, row0, row_end);
         if (tid < ROW_TILE) {
             const int b = row0 + tid;
             const bool ok = b < row_end;
@@ -539,7 +542,7 @@ q_values(const float* __restrict__ params, const float* __restrict__ h, float* _
     float* mean = va + ROW_TILE * N_OUT;          // [ROW_TILE]
     const int row0 = blockIdx.x * ROW_TILE;
     vec_t regs[FETCH_PER_THREAD];
-    fetch_rows(regs, h, row0, rows);
+    fetch_rows<0>(regs, h, row0, rows);
     stash_rows(regs, xs);
     __syncthreads();
     for (int item = threadIdx.x; item < N_OUT * ROW_TILE; item += THREADS) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# device_wheels.sh — download into .whl/ the pure-Python wheels that the GPU machine's image
-# lacks (it has grpcio 1.84.0, protobuf, numpy, cupy, torch, matplotlib, tqdm, safetensors,
+# device_wheels.sh — download into .whl/ the wheels (pure Python, and ml_dtypes for cp312) that
+# the GPU machine's image lacks (it has grpcio 1.84.0, protobuf, numpy, cupy, torch, matplotlib, tqdm, safetensors,
 # prometheus-client, but nothing can be installed from the network there).  Carry `.whl`
 # with the device call; scripts/bench_gpu.sh installs it, or start the command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -12,5 +12,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl \
     grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 python-json-logger==4.2.0 \
-    gymnasium==1.4.0 farama-notifications==0.0.6
+    gymnasium==1.4.0 farama-notifications==0.0.6 ml_dtypes==0.6.0
 ls .whl

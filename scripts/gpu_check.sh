@@ -14,6 +14,11 @@ PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then  # wheels the image lacks (scripts/device_wheels.sh)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if ! "$PY" -c 'import duelq.server, duelq.kernels' 2>/dev/null; then
     SHIM=$(mktemp -d)
     mkdir -p "$SHIM/duelq"

@@ -50,6 +50,9 @@ class Backend(abc.ABC):
     checks_features = False
     """True: propose reports whether the features are all finite (StepOutputs.features_finite)
     while it reads them, so validation skips that pass over the batch on the host."""
+    feature_dtypes: tuple[np.dtype, ...] = ()
+    """16-bit feature dtypes propose takes as they are (widening them itself); others are
+    widened to float32 on the host first."""
 
     def __init__(self, config: LearnerConfig, state: LearnerState):
         self.config = config

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .config import LearnerConfig
 from .errors import InvalidArgument, ResourceExhausted
 
-FEATURE_DTYPES = (np.float32, np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 
 
 @dataclass(frozen=True)
 class Batch:
     """One learner step's inputs, numpy arrays (see DESIGN §2).
 
-    ``weights`` may be None (all ones).  Features may be float16; they are
-    widened to float32 by :func:`validate_batch`.
+    ``weights`` may be None (all ones).  Features may be float16 or bfloat16
+    (``ml_dtypes``); :func:`validate_batch` widens them to float32 unless the
+    backend takes them as they are.
     """
 
     h_t: np.ndarray        # [B, H] features of s_t
@@ -65,21 +68,24 @@ def validate_actions(actions, n_actions: int, name: str = "actions",
 
 
 def validate_features(h, hidden_dim: int, name: str, rows: int | None = None, *,
-                      finite: bool = True) -> np.ndarray:
+                      finite: bool = True, keep: tuple = ()) -> np.ndarray:
     """Check a [B, H] feature matrix (values finite unless ``finite`` is False: the caller
-    checks them elsewhere); return it as C-contiguous float32."""
+    checks them elsewhere); return it C-contiguous, in its dtype if that is in ``keep``,
+    else widened to float32."""
     a = _array(name, h)
     if a.dtype not in FEATURE_DTYPES:
-        raise InvalidArgument(name, f"dtype must be float32 or float16, got {a.dtype}")
+        raise InvalidArgument(name, f"dtype must be float32, float16 or bfloat16, "
+                                    f"got {a.dtype}")
     if a.ndim != 2 or a.shape[1] != hidden_dim:
         raise InvalidArgument(name, f"shape must be [B, {hidden_dim}], got {list(a.shape)}")
     if rows is not None and a.shape[0] != rows:
         raise InvalidArgument(name, f"has {a.shape[0]} rows, expected B={rows}")
     if a.shape[0] == 0:
         raise InvalidArgument(name, "has no rows (B = 0)")
+    a = np.ascontiguousarray(a, dtype=None if a.dtype in keep else np.float32)  # exact
     if finite:
         _finite(name, a)
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return a
 
 
 def check_features_finite(batch: Batch) -> None:
@@ -89,20 +95,25 @@ def check_features_finite(batch: Batch) -> None:
 
 
 def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
-                   finite_features: bool = True) -> Batch:
+                   finite_features: bool = True, keep: tuple = ()) -> Batch:
     """Check every field of ``batch`` (DESIGN §6); return a float32/int32 copy-free view.
 
     Raises InvalidArgument naming the first bad field, or ResourceExhausted when
     B exceeds ``max_batch_size``.  ``finite_features=False`` leaves the finiteness of
-    h_t and h_tp1 to the caller (a backend that checks it on the device).
+    h_t and h_tp1 to the caller (a backend that checks it on the device).  Features
+    whose dtype is in ``keep`` stay in it when both have the same one (a backend that
+    widens them itself); otherwise they are widened to float32.
     """
     if not isinstance(batch, Batch):
         raise InvalidArgument("batch", f"must be a Batch, got {type(batch).__name__}")
     actions = validate_actions(batch.actions, config.n_actions, max_len=max_batch_size)
     B = actions.shape[0]
-    h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B, finite=finite_features)
+    if getattr(batch.h_t, "dtype", None) != getattr(batch.h_tp1, "dtype", None):
+        keep = ()  # one dtype per batch on the device: mixed ones are widened
+    h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B,
+                            finite=finite_features, keep=keep)
     h_tp1 = validate_features(batch.h_tp1, config.hidden_dim, "h_tp1", rows=B,
-                              finite=finite_features)
+                              finite=finite_features, keep=keep)
 
     def vector(name: str, value) -> np.ndarray:
         a = _array(name, value)

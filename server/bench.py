@@ -277,6 +277,7 @@ class TimedBackend(Backend):
         self.config = inner.config
         self.name, self.device = inner.name, inner.device
         self.checks_features = inner.checks_features
+        self.feature_dtypes = inner.feature_dtypes
         self.seconds = 0.0       # wall, propose + commit (+ discard)
         self.cpu_seconds = 0.0   # CPU time of the calling thread in them
 

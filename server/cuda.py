@@ -30,7 +30,7 @@ from cupy_backends.cuda.api import driver
 
 from ..kernels import source
 from .backend import Backend, StepOutputs, Upload
-from .batch import Batch
+from .batch import BFLOAT16, Batch
 from .config import LearnerConfig
 from .state import LearnerState, Params
 
@@ -38,6 +38,8 @@ THREADS = 256             # threads per block of learner_step and q_values
 STATIC_SMEM_SLACK = 4096  # bytes of static shared memory besides the per-action counts
 UPLOAD_SLOTS = 3          # batches that may be on their way to the device at once
 UPLOAD_MAX_WORDS = 1 << 24  # larger batches are packed at their step (64 MiB a slot at most)
+#: Feature dtype → learner_step's -DFEATURES (the kernel widens 16-bit rows as it loads them).
+FEATURE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BFLOAT16: 2}
 
 
 def kernel_source(name: str) -> str:
@@ -127,17 +129,21 @@ class _Staging:
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
     def pack(self, batch: Batch) -> int:
-        """Write ``batch`` in the kernel's packed input layout; returns the words used."""
+        """Write ``batch`` in the kernel's packed input layout (features in their own dtype,
+        then 32-bit words); returns the words used."""
         B, H = batch.size, batch.h_t.shape[1]
-        BH = B * H
-        words = 2 * BH + (5 if batch.weights is not None else 4) * B
+        BH, size = B * H, batch.h_t.dtype.itemsize  # float32: 4; float16, bfloat16: 2
+        feature_words = 2 * BH * size // 4
+        words = feature_words + (5 if batch.weights is not None else 4) * B
         host = self.reserve(words)
-        host[:BH] = batch.h_t.reshape(-1)
-        host[BH:2 * BH] = batch.h_tp1.reshape(-1)
-        host[2 * BH:2 * BH + B].view(np.int32)[:] = batch.actions
+        raw = host if size == 4 else host.view(np.uint16)  # elements of the features' size
+        raw[:BH] = batch.h_t.reshape(-1).view(raw.dtype)
+        raw[BH:2 * BH] = batch.h_tp1.reshape(-1).view(raw.dtype)
+        tail = host[feature_words:]
+        tail[:B].view(np.int32)[:] = batch.actions
         for i, column in enumerate((batch.rewards, batch.dones, batch.discounts, batch.weights)):
             if column is not None:
-                host[2 * BH + (i + 1) * B:2 * BH + (i + 2) * B] = column
+                tail[(i + 1) * B:(i + 2) * B] = column
         return words
 
 
@@ -171,6 +177,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     checks_features = True
+    feature_dtypes = (np.dtype(np.float16), BFLOAT16)
 
     def __init__(self, config: LearnerConfig, state: LearnerState, *,
                  row_tile: int | None = None):
@@ -213,12 +220,14 @@ class CudaBackend(Backend):
     def _compile(self, row_tile: int | None, max_smem: int) -> None:
         """Compile the kernels: learner_step at the kernel's default row tile (halved until
         its shared memory fits) and at twice that for batches of more than one tile per SM,
-        or at ``row_tile`` alone when given."""
+        or at ``row_tile`` alone when given; each for float32, float16 and bfloat16
+        features."""
         H, N = self.config.hidden_dim, self.config.n_actions
         sizes = (f"-DHIDDEN_DIM={H}", f"-DN_ACTIONS={N}")
 
-        def build(tile: int | None):
-            options = sizes + (() if tile is None else (f"-DROW_TILE={tile}",))
+        def build(tile: int | None, kind: int = 0):
+            options = sizes + (f"-DFEATURES={kind}",) + (
+                () if tile is None else (f"-DROW_TILE={tile}",))
             module = cp.RawModule(code=kernel_source("learner_step.cu"), options=options)
             layout = cp.ndarray(5, np.uint32, module.get_global("learner_layout")).get()
             return module, [int(x) for x in layout]
@@ -232,18 +241,24 @@ class CudaBackend(Backend):
         n_params, self.stride, _, self._qv_smem, self._qv_tile = layout
         assert n_params == (N + 1) * (H + 1), "kernel and host disagree on the layout"
         self._qv_fn = module.get_function("q_values")
-        self._steps = [StepKernel(layout[4], module.get_function("learner_step"), layout[2])]
+        steps = [StepKernel(layout[4], module.get_function("learner_step"), layout[2])]
         if row_tile is None:
             big, big_layout = build(2 * layout[4])
             if fits(big_layout):
-                self._steps.append(StepKernel(big_layout[4], big.get_function("learner_step"),
-                                              big_layout[2]))
+                steps.append(StepKernel(big_layout[4], big.get_function("learner_step"),
+                                        big_layout[2]))
+        self._steps = {0: steps}  # feature kind → learner_step at each row tile
+        for kind in sorted(set(FEATURE_KINDS.values()) - {0}):
+            self._steps[kind] = [
+                StepKernel(k.row_tile, build(k.row_tile, kind)[0].get_function("learner_step"),
+                           k.smem) for k in steps]
         entropy = cp.RawModule(code=kernel_source("action_entropy.cu"), options=sizes)
         self._ent_fn = entropy.get_function("action_entropy")
         self._ent_threads, self._ent_block_actions, max_blocks = (
             int(x) for x in cp.ndarray(3, np.uint32, entropy.get_global("entropy_layout")).get())
         self._ent_max_blocks = min(max_blocks, self.max_blocks)
-        for fn, smem in [(k.fn, k.smem) for k in self._steps] + [(self._qv_fn, self._qv_smem)]:
+        kernels = [k for ks in self._steps.values() for k in ks]
+        for fn, smem in [(k.fn, k.smem) for k in kernels] + [(self._qv_fn, self._qv_smem)]:
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
 
@@ -299,12 +314,13 @@ class CudaBackend(Backend):
             return self._act_out[:B * N].get(stream=self.stream).reshape(B, N)
 
     # ---- a learner step ----------------------------------------------------------
-    def step_kernel(self, batch_size: int) -> StepKernel:
-        """The smallest row tile that needs at most one block per SM, else the largest."""
-        for kernel in self._steps:
+    def step_kernel(self, batch_size: int, kind: int = 0) -> StepKernel:
+        """The smallest row tile that needs at most one block per SM, else the largest
+        (for features of FEATURE_KINDS ``kind``)."""
+        for kernel in self._steps[kind]:
             if -(-batch_size // kernel.row_tile) <= self.max_blocks:
                 return kernel
-        return self._steps[-1]
+        return self._steps[kind][-1]
 
     def grid(self, batch_size: int) -> tuple[int, int]:
         """(blocks G, rows per block R) of the step kernel for ``batch_size`` rows."""
@@ -328,9 +344,10 @@ class CudaBackend(Backend):
         slot.copied.record(self._upload_stream)
         return _Uploaded(slot, self._free_uploads)
 
-    def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None) -> None:
-        """Enqueue the step kernel on staged ``inputs`` (default: the step's own buffer);
-        no copies, no sync."""
+    def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None,
+               kind: int = 0) -> None:
+        """Enqueue the step kernel for features of ``kind`` on staged ``inputs`` (default:
+        the step's own buffer); no copies, no sync."""
         c = self.config
         t = self._step + 1
         G, R = self.grid(batch_size)
@@ -354,7 +371,7 @@ class CudaBackend(Backend):
             step_size=np.float32(c.lr / (1 - c.beta1 ** t)),
             sqrt_bc2=np.float32(np.sqrt(1 - c.beta2 ** t)),
             tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
-        kernel = self.step_kernel(batch_size)
+        kernel = self.step_kernel(batch_size, kind)
         self._launch_cooperative(kernel.fn, G, THREADS, kernel.smem, args)
 
     def _next_epoch(self) -> int:
@@ -392,7 +409,7 @@ class CudaBackend(Backend):
             self.stage(batch)
             inputs = None
         try:
-            self.launch(B, batch.weights is not None, inputs)
+            self.launch(B, batch.weights is not None, inputs, FEATURE_KINDS[batch.h_t.dtype])
             self._outputs.download(words, self.stream)
             self.stream.synchronize()
         finally:

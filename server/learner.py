@@ -128,7 +128,8 @@ class Learner:
     def prepare(self, batch: Batch) -> Prepared:
         """Validate ``batch`` and start its copy to the device; no lock is taken."""
         batch = validate_batch(batch, self.config, self.max_batch_size,
-                               finite_features=not self.backend.checks_features)
+                               finite_features=not self.backend.checks_features,
+                               keep=self.backend.feature_dtypes)
         return Prepared(batch, self.backend.upload(batch))
 
     def step(self, batch: Batch | Prepared) -> StepResult:

@@ -115,17 +115,21 @@ def _required(message, field: str) -> np.ndarray:
     return decode(getattr(message, field), field)
 
 
-def _features(message, field: str) -> np.ndarray:
-    """A feature matrix, float16 widened to float32 here (exactly, and faster than the
-    learner's checks would: they then see float32, whose finiteness test is vectorised)."""
-    a = _required(message, field)
-    return float16_to_float32(a) if a.dtype == np.float16 else a
+def _features(message, field: str, keep_16bit: bool) -> np.ndarray:
+    """A feature matrix: float16 and bfloat16 as they came when the backend widens them
+    itself, else widened to float32 here (exactly, and faster than the learner's checks
+    would: they then see float32, whose finiteness test is vectorised)."""
+    if not message.HasField(field):
+        raise InvalidArgument(field, "is required")
+    a = decode(getattr(message, field), field, widen=not keep_16bit)
+    return float16_to_float32(a) if a.dtype == np.float16 and not keep_16bit else a
 
 
-def decode_batch(request: pb.TrainRequest) -> Batch:
+def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch:
     """The numpy Batch of a TrainRequest (size checks only; the learner checks values)."""
     weights = decode(request.weights, "weights") if request.HasField("weights") else None
-    return Batch(h_t=_features(request, "h_t"), h_tp1=_features(request, "h_tp1"),
+    return Batch(h_t=_features(request, "h_t", keep_16bit),
+                 h_tp1=_features(request, "h_tp1", keep_16bit),
                  actions=_required(request, "actions"), rewards=_required(request, "rewards"),
                  dones=_required(request, "dones"), discounts=_required(request, "discounts"),
                  weights=weights)
@@ -256,7 +260,8 @@ class LearnerService(pb_grpc.LearnerServicer):
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
         # Checks and the copy towards the device run before the apply lock, beside the
         # step that holds it; a replayed key's upload is simply given back.
-        with learner.prepare(decode_batch(request)) as prepared:
+        keep_16bit = bool(learner.backend.feature_dtypes)
+        with learner.prepare(decode_batch(request, keep_16bit=keep_16bit)) as prepared:
             def apply() -> pb.TrainResponse:
                 response = train_response(learner.step(prepared), request.key)
                 if self.checkpoints is not None:  # under the apply lock: steps arrive in order

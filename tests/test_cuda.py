@@ -510,6 +510,38 @@ def test_non_finite_features_are_found_on_the_device(B):
     assert learner.step_count == 4
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("B,H", [(31, 64), (4096, 128), (300, 100)])  # H=100: scalar loads
+def test_16_bit_features_widened_on_the_device_match_float32(dtype, B, H):
+    """16-bit features go to the kernel as they came and are widened there: every output
+    and the state are bit-identical to sending the same values as float32."""
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+    config = LearnerConfig(hidden_dim=H, n_actions=11, step_entropy_slot=SLOT)
+    rng = np.random.default_rng(B + H)
+    start = random_state(config, rng, 1)
+    narrow, wide = Learner(config, backend=cuda_backend(config, start)), \
+        Learner(config, backend=cuda_backend(config, start))
+    for step in range(3):
+        b = random_batch(rng, B, config, start, step != 1)
+        b16 = dataclasses.replace(b, h_t=b.h_t.astype(dt), h_tp1=b.h_tp1.astype(dt))
+        b32 = dataclasses.replace(b, h_t=b16.h_t.astype(np.float32),
+                                  h_tp1=b16.h_tp1.astype(np.float32))
+        with narrow.prepare(b16) as prepared:
+            assert prepared.batch.h_t.dtype == dt  # really sent as 16-bit
+            got = narrow.step(prepared)
+        want = wide.step(b32)
+        assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm, want.entropy)
+        assert got.td_errors.tobytes() == want.td_errors.tobytes()
+    assert narrow.snapshot().checksum() == wide.snapshot().checksum()
+    bad = b16.h_tp1.copy()
+    bad.reshape(-1)[B * H - 3] = np.inf
+    before = narrow.snapshot().checksum()
+    with pytest.raises(InvalidArgument, match=rf"h_tp1.*NaN or Inf.*index {B * H - 3}\b"):
+        narrow.step(dataclasses.replace(b16, h_tp1=bad))
+    assert narrow.snapshot().checksum() == before
+
+
 def test_uploaded_batches_step_exactly_like_staged_ones():
     """Batches sent ahead with prepare() (more than there are upload slots, one never
     stepped) give bit for bit what the same batches give staged at their step."""

@@ -40,6 +40,17 @@ def test_ptx_compiles(cu, H, N, R, tmp_path):
     assert ".entry" in out.read_text()
 
 
+@pytest.mark.parametrize("features", [1, 2], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("H,N,R", [(128, 11, 16), (100, 7, 8)], ids=lambda v: str(v))
+def test_16_bit_feature_variants_compile_without_spills(features, H, N, R, tmp_path):
+    run = nvcc("-cubin", "-Xptxas", "-v", f"-DHIDDEN_DIM={H}", f"-DN_ACTIONS={N}",
+               f"-DROW_TILE={R}", f"-DFEATURES={features}", "-o", str(tmp_path / "k.cubin"),
+               str(KERNELS / "learner_step.cu"))
+    assert run.returncode == 0, run.stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    assert spills and all(s == ("0", "0") for s in spills), run.stderr
+
+
 def test_seed_baseline_compiles(tmp_path):
     run = nvcc("--ptx", "-o", str(tmp_path / "seed.ptx"),
                str(ROOT / "benchmarks" / "seed_action_entropy.cu"))

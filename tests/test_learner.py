@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from duelq.server import (Batch, InvalidArgument, Learner, LearnerConfig, LearnerState,
                           NonFiniteStep, ResourceExhausted)
+from duelq.server.batch import validate_batch
 from duelq.server.learner import cuda_usable
 
 from helpers import random_batch, small_config
@@ -85,6 +87,27 @@ def test_float16_features_and_integer_dones_are_accepted(learner):
     result = learner.step(dataclasses.replace(b, h_t=b.h_t.astype(np.float16),
                                               dones=b.dones.astype(np.int32)))
     assert result.step == 2 and result.version == 2 and np.isfinite(result.loss)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_features_are_kept_only_for_a_backend_that_takes_them(dtype):
+    b = good()
+    b16 = dataclasses.replace(b, h_t=b.h_t.astype(dtype), h_tp1=b.h_tp1.astype(dtype))
+    CONFIG = small_config()
+    kept = validate_batch(b16, CONFIG, 64, finite_features=False, keep=(np.dtype(dtype),))
+    assert kept.h_t.dtype == dtype and kept.h_tp1.dtype == dtype
+    assert kept.h_t.tobytes() == b16.h_t.tobytes()
+    widened = validate_batch(b16, CONFIG, 64)  # the reference backend's view: exact float32
+    assert widened.h_t.dtype == np.float32
+    assert np.array_equal(widened.h_t, b16.h_t.astype(np.float32))
+    mixed = dataclasses.replace(b16, h_tp1=b.h_tp1)  # one dtype per batch, or float32
+    assert validate_batch(mixed, CONFIG, 64, keep=(np.dtype(dtype),)).h_t.dtype == np.float32
+    bad = b16.h_tp1.copy()
+    bad[2, 5] = np.inf
+    with pytest.raises(InvalidArgument, match=rf"h_tp1: contains NaN or Inf .*index {2 * H + 5}\b"):
+        validate_batch(dataclasses.replace(b16, h_tp1=bad), CONFIG, 64, keep=(np.dtype(dtype),))
+    with pytest.raises(InvalidArgument, match="float32, float16 or bfloat16, got float64"):
+        validate_batch(dataclasses.replace(b, h_t=b.h_t.astype(np.float64)), CONFIG, 64)
 
 
 def test_non_finite_step_is_refused_and_state_unchanged(learner):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -56,6 +57,15 @@ def test_bfloat16_keeps_nan_and_decodes_to_float32():
     assert b.dtype == np.float32 and np.isnan(b[0])
     assert np.allclose(b[1:], a[1:], rtol=2 ** -8, atol=0)
     assert np.array_equal(b[1:], bfloat16_bits_to_float32(float32_to_bfloat16_bits(a[1:])))
+
+
+def test_bfloat16_can_stay_16_bit():
+    a = np.array([np.nan, 0.1, 3.0, -np.inf], np.float32)
+    tensor = encode(a, "h", wire="bfloat16")
+    b = decode(tensor, "h", widen=False)
+    assert b.dtype == ml_dtypes.bfloat16
+    assert b.view(np.uint16).tobytes() == tensor.data  # a view of the bytes as they came
+    assert np.array_equal(b.astype(np.float32), decode(tensor, "h"), equal_nan=True)
 
 
 def _tensor(dtype=pb.DTYPE_FLOAT32, shape=(2, 2), data=bytes(16)):
