@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from duelq.server import bench, cli
+from duelq.server import cli
+from duelq.server.bench import report, run, servers
 from duelq.server.learner import Learner
 from duelq.server.state import LearnerState
 
@@ -59,7 +60,7 @@ def test_bad_flags_are_usage_errors(flags, problem, capsys, tmp_path):
 
 
 def test_every_learner_cell_has_an_echo_ceiling_of_the_same_shape():
-    cells = bench.Plan.from_args(cli.build_parser().parse_args(["bench"])).cells(
+    cells = run.Plan.from_args(cli.build_parser().parse_args(["bench"])).cells(
         "reference", in_process=True)
     assert len(cells) == len(set(cells))
     echo = {(c.section, c.batch, c.wire == "float32", c.transport, c.actors, c.variant)
@@ -69,7 +70,7 @@ def test_every_learner_cell_has_an_echo_ceiling_of_the_same_shape():
             key = (c.section, c.batch, c.wire == "float32", c.transport, c.actors)
             assert key + (c.variant,) in echo or key + ("",) in echo, c
     # A remote target: no null backend, no UDS, no experiments (they need in-process servers).
-    remote = bench.Plan.from_args(argparse.Namespace(**{**vars(cli.build_parser().parse_args(
+    remote = run.Plan.from_args(argparse.Namespace(**{**vars(cli.build_parser().parse_args(
         ["bench"])), "target": "localhost:1"})).cells("cuda", in_process=False)
     assert {c.backend for c in remote} == {"echo", "cuda"}
     assert {c.transport for c in remote} == {"target"}
@@ -82,17 +83,17 @@ def test_ratios_divide_by_the_ceiling_of_the_same_message_size():
                 "transitions_per_s": steps * B}
     rows = [row("echo", "echo", "float32", 100.0), row("echo", "echo", "bfloat16", 180.0),
             row("stream", "null", "float32", 90.0), row("stream", "null", "bfloat16", 150.0)]
-    bench.add_ratios(rows)
+    report.add_ratios(rows)
     assert rows[2]["vs_echo"] == pytest.approx(0.9)
     assert rows[3]["vs_echo"] == pytest.approx(150 / 180)
     assert rows[3]["vs_echo_f32"] == pytest.approx(1.5)
-    assert {g["met"] for g in bench.goals(rows, "reference")} == {True, False}
+    assert {g["met"] for g in report.goals(rows, "reference")} == {True, False}
 
 
 def test_null_and_timed_backends_keep_the_learner_contract():
     rng = np.random.default_rng(0)
-    learner = Learner(SMALL, backend=bench.TimedBackend(
-        bench.NullBackend(SMALL, LearnerState.initial(SMALL))))
+    learner = Learner(SMALL, backend=servers.TimedBackend(
+        servers.NullBackend(SMALL, LearnerState.initial(SMALL))))
     for step in (1, 2):
         result = learner.step(random_batch(rng, 8))
         assert result.step == step and result.td_errors.shape == (8,)
