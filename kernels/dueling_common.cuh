@@ -223,12 +223,12 @@ typedef unsigned long long tagged_t;
 
 __device__ __forceinline__ void put_tagged(tagged_t* dst, unsigned int bits, unsigned int epoch) {
     const tagged_t word = ((tagged_t)epoch << 32) | bits;
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(dst), "l"(word) : "memory");
+    asm volatile("st.relaxed.gpu.u64 [%0], %1;" ::"l"(dst), "l"(word) : "memory");
 }
 
 __device__ __forceinline__ tagged_t peek_tagged(const tagged_t* src) {
     tagged_t word;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(word) : "l"(src));
+    asm volatile("ld.relaxed.gpu.u64 %0, [%1];" : "=l"(word) : "l"(src));
     return word;
 }
 

@@ -162,7 +162,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     __shared__ unsigned int counts[N_ACTIONS];    // this block's action counts
     __shared__ double red[THREADS];
     __shared__ double scratch[33];
-    __shared__ double warp_stats[THREADS / 32][2];
+    __shared__ double warp_stats[THREADS / 32][2];  // loss, Q sums of the rows (phase 1)
+    __shared__ double slice_sq[THREADS / 32];       // ‖g‖² of the slice by warp (phase 2)
     __shared__ float shared_scale;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -519,13 +520,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     }
     if (!clipping) {  // the slice norm is only reported: its block sum shares the last barrier
         sq = warp_sum(sq);
-        if (lane == 0) warp_stats[warp][0] = sq;
+        if (lane == 0) slice_sq[warp] = sq;
     }
     finite = __syncthreads_and(finite);
     if (tid == 0) {
         if (!clipping) {
             sq = 0.0;
-            for (int w = 0; w < THREADS / 32; ++w) sq += warp_stats[w][0];
+            for (int w = 0; w < THREADS / 32; ++w) sq += slice_sq[w];
         }
         head[1 + blk] = finite ? 1.f : 0.f;
         head[1 + G + blk] = (float)sqrt(sq);

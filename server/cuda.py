@@ -339,9 +339,13 @@ class CudaBackend(Backend):
             slot = self._free_uploads.get_nowait()
         except queue.Empty:
             return None
-        slot.copied.synchronize()  # its previous copy out of the host buffer has finished
-        slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
-        slot.copied.record(self._upload_stream)
+        try:
+            slot.copied.synchronize()  # its previous copy out of the host buffer has finished
+            slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
+            slot.copied.record(self._upload_stream)
+        except BaseException:
+            self._free_uploads.put(slot)
+            raise
         return _Uploaded(slot, self._free_uploads)
 
     def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None,
@@ -411,8 +415,8 @@ class CudaBackend(Backend):
         try:
             self.launch(B, batch.weights is not None, inputs, FEATURE_KINDS[batch.h_t.dtype])
             self._outputs.download(words, self.stream)
-            self.stream.synchronize()
         finally:
+            self.stream.synchronize()  # nothing reads the upload slot once it is given back
             if upload is not None:
                 upload.close()
         out = self._outputs.host

@@ -176,6 +176,10 @@ CASES = [
     Case(31, 256, 2, "adam", True, False, 0.5, period=4),
     Case(1, 128, 18, "sgd", True, True, 0.5, entropy=True),
     Case(31, 100, 7, "adam", False, True, 0.5),  # H not a multiple of 4: scalar loads
+    # Gradient partials summed in global memory tile by tile (too many for registers).
+    Case(4096, 512, 18, "adam", True, True, 0.5, entropy=True, start_step=2),
+    # No clipping, no entropy, and blocks whose parameter slice is empty (G·slice > params).
+    Case(2048, 64, 11, "adam", False, True, 0.0),
 ]
 FIFTY = [CASES[i] for i in (0, 1, 2, 3, 5, 6)]
 
