@@ -14,24 +14,30 @@ Memory is bounded three ways:
 Not thread-safe: the service calls it under the lock that applies steps.
 
 :meth:`ReplayGuard.to_bytes` / :meth:`ReplayGuard.from_bytes` carry the records
-into a checkpoint and back (JSON; responses as base64 protobuf bytes of the
-message types the caller names), so a key applied before a checkpoint stays
-applied after a restart from it.
+into a checkpoint and back, so a key applied before a checkpoint stays applied
+after a restart from it.  Format 2: ``DQR2``, the length of a JSON index (8 bytes,
+little-endian), the index (actors, keys, and each response's message type and
+length), then the responses' protobuf bytes back to back; no base64, so at B = 1024
+the 1024 cached TrainResponses take 8 MiB instead of 11.  Format 1 (all JSON,
+base64 responses; written before) is still read.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from google.protobuf.message import DecodeError
 
 from .errors import InvalidArgument, LearnerError
 
 MAX_ACTOR_ID_BYTES = 128
+_MAGIC = b"DQR2"
+_LENGTH = struct.Struct("<Q")
 
 
 class AlreadyApplied(LearnerError):
@@ -121,39 +127,38 @@ class ReplayGuard:
         return other
 
     def to_bytes(self) -> bytes:
-        """Every record, LRU order kept; responses must be protobuf messages."""
-        def blob(response: Any) -> list[str] | None:
+        """Every record, LRU order kept (format 2); responses must be protobuf messages."""
+        blobs: list[bytes] = []
+        kinds: list[list] = []
+
+        def ref(response: Any) -> int | None:  # the response's blob number
             if response is None:
                 return None
-            return [type(response).__name__,
-                    base64.b64encode(response.SerializeToString()).decode("ascii")]
+            blobs.append(response.SerializeToString())
+            kinds.append([type(response).__name__, len(blobs[-1])])
+            return len(blobs) - 1
 
-        return json.dumps({
-            "format": 1, "window": self.window,
-            "actors": [[a, rec.high, format(rec.seen, "x"), blob(rec.latest)]
+        index = json.dumps({
+            "format": 2, "window": self.window,
+            "actors": [[a, rec.high, format(rec.seen, "x"), ref(rec.latest)]
                        for a, rec in self._actors.items()],
-            "responses": [[a, seq, blob(r)] for (a, seq), r in self._responses.items()],
+            "responses": [[a, seq, ref(r)] for (a, seq), r in self._responses.items()],
+            "blobs": kinds,
         }, separators=(",", ":")).encode()
+        return b"".join([_MAGIC, _LENGTH.pack(len(index)), index, *blobs])
 
     @classmethod
     def from_bytes(cls, data: bytes, kinds: Mapping[str, type], *, capacity: int = 1024,
                    max_actors: int = 4096) -> "ReplayGuard":
-        """Records written by :meth:`to_bytes`; ``kinds`` maps message names to classes.
+        """Records written by :meth:`to_bytes` (format 2, or format 1 from earlier
+        versions); ``kinds`` maps message names to classes.
 
         The stored window is kept (a wider one would forget applied keys); the
         response cache is trimmed to ``capacity``.  Raises ValueError when
         ``data`` is malformed.
         """
-        def message(item: Any) -> Any:
-            if item is None:
-                return None
-            name, text = item
-            return kinds[name].FromString(base64.b64decode(text, validate=True))
-
         try:
-            doc = json.loads(data)
-            if doc["format"] != 1:
-                raise ValueError(f"format {doc['format']!r}, expected 1")
+            doc, message = cls._parse(bytes(data), kinds)
             guard = cls(capacity=capacity, window=int(doc["window"]), max_actors=max_actors)
             for actor_id, high, seen, latest in doc["actors"]:
                 if not isinstance(actor_id, str) or not isinstance(high, int) or high < 0:
@@ -162,11 +167,46 @@ class ReplayGuard:
                                                  message(latest))
             for actor_id, seq, response in doc["responses"]:
                 guard._keep((str(actor_id), int(seq)), message(response))
-        except (KeyError, TypeError, ValueError, DecodeError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, DecodeError, struct.error) as exc:
             raise ValueError(f"malformed idempotency records: {exc!r}") from exc
         while len(guard._actors) > guard.max_actors:
             guard._forget(next(iter(guard._actors)))
         return guard
+
+    @staticmethod
+    def _parse(data: bytes, kinds: Mapping[str, type]) -> tuple[dict, Callable[[Any], Any]]:
+        """(the record index, a function from a response reference to the message)."""
+        if not data.startswith(_MAGIC):  # format 1: one JSON document, base64 responses
+            doc = json.loads(data)
+            if doc["format"] != 1:
+                raise ValueError(f"format {doc['format']!r}, expected 1 or 2")
+
+            def inline(item: Any) -> Any:
+                if item is None:
+                    return None
+                name, text = item
+                return kinds[name].FromString(base64.b64decode(text, validate=True))
+            return doc, inline
+        start = len(_MAGIC) + _LENGTH.size
+        (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
+        doc = json.loads(data[start:start + length])
+        if doc["format"] != 2:
+            raise ValueError(f"format {doc['format']!r} after the format-2 magic")
+        offsets, at = [], start + length
+        for name, size in doc["blobs"]:
+            if not isinstance(size, int) or size < 0:
+                raise ValueError(f"bad blob length {size!r}")
+            offsets.append((kinds[name], at, at + size))
+            at += size
+        if at != len(data):
+            raise ValueError(f"{len(data) - at} bytes after the last response")
+
+        def stored(item: Any) -> Any:
+            if item is None:
+                return None
+            kind, begin, end = offsets[item]
+            return kind.FromString(data[begin:end])
+        return doc, stored
 
     def _keep(self, key: tuple[str, int], response: Any) -> None:
         if self.capacity == 0:

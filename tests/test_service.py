@@ -25,6 +25,7 @@ from duelq.server.config import LearnerConfig
 from duelq.server.idempotency import AlreadyApplied, ReplayGuard
 from duelq.server.learner import Learner
 from duelq.server.server import LearnerServer, ServerOptions
+from duelq.server.service import REPLAY_KINDS
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -156,6 +157,74 @@ def test_replay_guard_window_and_actor_bound():
     guard.record("b", 1, "b1")
     guard.record("c", 1, "c1")            # evicts the least recently seen actor, "a"
     assert guard.lookup("a", 10**12, str) is None and guard.lookup("b", 1, str) == "b1"
+
+
+def _guard_with_records() -> ReplayGuard:
+    guard = ReplayGuard(capacity=3, window=8)
+    for actor, seqs in (("a", (1, 2, 3, 7)), ("b", (1,)), ("c", (2, 4))):
+        for seq in seqs:
+            guard.record(actor, seq, pb.TrainResponse(step=seq, loss=0.5 * seq, key=pb.RequestKey(
+                actor_id=actor, seq=seq)) if actor != "b" else pb.EntropyResponse(ema=1.5))
+    return guard
+
+
+def _same_records(a: ReplayGuard, b: ReplayGuard) -> None:
+    assert a.window == b.window and list(a._actors) == list(b._actors)
+    assert list(a._responses) == list(b._responses)  # LRU order kept
+    for actor, seq in [("a", 7), ("a", 3), ("a", 2), ("b", 1), ("c", 4), ("c", 2)]:
+        kind = pb.EntropyResponse if actor == "b" else pb.TrainResponse
+        assert a.lookup(actor, seq, kind) == b.lookup(actor, seq, kind)
+    with pytest.raises(AlreadyApplied):
+        b.lookup("a", 1, pb.TrainResponse)  # applied; its response fell out of the cache
+
+
+def test_idempotency_records_round_trip_in_format_2():
+    guard = _guard_with_records()
+    data = guard.to_bytes()
+    assert data.startswith(b"DQR2")
+    _same_records(guard, ReplayGuard.from_bytes(data, REPLAY_KINDS, capacity=3))
+
+
+def test_idempotency_records_of_format_1_are_still_read():
+    import base64
+    import json
+    guard = _guard_with_records()
+
+    def blob(r):
+        return None if r is None else [type(r).__name__, base64.b64encode(
+            r.SerializeToString()).decode()]
+    data = json.dumps({"format": 1, "window": guard.window,
+                       "actors": [[a, rec.high, format(rec.seen, "x"), blob(rec.latest)]
+                                  for a, rec in guard._actors.items()],
+                       "responses": [[a, q, blob(r)] for (a, q), r in guard._responses.items()]})
+    _same_records(guard, ReplayGuard.from_bytes(data.encode(), REPLAY_KINDS, capacity=3))
+
+
+def _edit_index(data: bytes, edit) -> bytes:
+    """Format-2 records with their JSON index changed by ``edit(index)``."""
+    import json
+    length = int.from_bytes(data[4:12], "little")
+    index = json.loads(data[12:12 + length])
+    edit(index)
+    text = json.dumps(index).encode()
+    return data[:4] + len(text).to_bytes(8, "little") + text + data[12 + length:]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "trailing", "kind", "reference", "format"])
+def test_malformed_idempotency_records_are_refused(damage):
+    data = _guard_with_records().to_bytes()
+    if damage == "truncated":
+        data = data[:-5]
+    elif damage == "trailing":
+        data = data + b"x"
+    elif damage == "kind":
+        data = _edit_index(data, lambda i: i["blobs"][0].__setitem__(0, "NoSuchResponse"))
+    elif damage == "reference":
+        data = _edit_index(data, lambda i: i["responses"][0].__setitem__(2, 9999))
+    else:
+        data = _edit_index(data, lambda i: i.__setitem__("format", 3))
+    with pytest.raises(ValueError, match="malformed idempotency records"):
+        ReplayGuard.from_bytes(data, REPLAY_KINDS)
 
 
 # -- bad input (DESIGN §6) --------------------------------------------------------------
