@@ -205,8 +205,8 @@ class LearnerService(pb_grpc.LearnerServicer):
     def _admit(self, context: grpc.ServicerContext | None, *, changes: bool):
         """Hold the apply lock for one request: bounded queue, deadline, drain."""
         with self._queue_lock:
-            if changes and self._draining:
-                raise NotServing("the server is shutting down; retry with the same key")
+            if changes:
+                self._refuse_if_draining()
             if self._waiting >= self.limits.max_queue:
                 raise ResourceExhausted(f"{self._waiting} requests already wait for the "
                                         f"learner (max_queue {self.limits.max_queue})")
@@ -230,6 +230,10 @@ class LearnerService(pb_grpc.LearnerServicer):
             yield
         finally:
             self._apply_lock.release()
+
+    def _refuse_if_draining(self) -> None:
+        if self._draining:
+            raise NotServing("the server is shutting down; retry with the same key")
 
     @property
     def learner(self) -> Learner:
@@ -258,6 +262,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                context: grpc.ServicerContext | None) -> pb.TrainResponse:
         learner = self.learner
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
+        self._refuse_if_draining()  # early, before the work below (_admit decides)
         # Checks and the copy towards the device run before the apply lock, beside the
         # step that holds it; a replayed key's upload is simply given back.
         keep_16bit = bool(learner.backend.feature_dtypes)
