@@ -4,9 +4,8 @@
 #   scripts/bench_gpu.sh [duelq bench flags…]       (--backend cuda is set; flags add to it)
 #
 # For the device machine, where nothing can be fetched: carry `.whl` (wheels of what its
-# image lacks, e.g. grpcio-health-checking and grpcio-reflection); they are installed into
-# /tmp/site.  duelq need not be installed: without it, a folder of links (duelq/server,
-# client, kernels, v1) goes on PYTHONPATH.  Writes bench.json, bench.png and bench.log to
+# image lacks); scripts/device_env.sh installs them and, if duelq is not installed, puts a
+# folder of links on PYTHONPATH.  Writes bench.json, bench.png and bench.log to
 # $OUT/bench (./duelq-bench without OUT).  Exit status: the bench's (0 all measured).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,18 +14,7 @@ DEST=${OUT:+$OUT/bench}
 DEST=${DEST:-$ROOT/duelq-bench}
 export PYTHONUNBUFFERED=1
 
-if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! "$PY" -c 'import duelq.server.bench, duelq.v1' 2>/dev/null; then
-    SHIM=$(mktemp -d)
-    mkdir -p "$SHIM/duelq"
-    for pkg in server client kernels; do ln -s "$ROOT/$pkg" "$SHIM/duelq/$pkg"; done
-    ln -s "$ROOT/protos/duelq/v1" "$SHIM/duelq/v1"
-    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. "$ROOT/scripts/device_env.sh"
 "$PY" -c 'import duelq.server.bench' || { echo "bench_gpu.sh: cannot import duelq.server.bench" \
     "(the error above names what is missing; carry its wheel in .whl)"; exit 1; }
 "$PY" -c 'import grpc, google.protobuf as p, numpy, cupy; print("grpcio", grpc.__version__,

@@ -6,25 +6,15 @@
 #
 # Default: `pytest -m gpu` over the test modules that mark gpu tests (other modules may
 # not even import on a bare GPU image).
-# duelq need not be installed: without it, a folder of links (duelq/server, duelq/client,
-# duelq/kernels) goes on PYTHONPATH. Logs and the benchmark JSON go to $OUT when set.
+# duelq need not be installed (scripts/device_env.sh: carried wheels, a folder of links on
+# PYTHONPATH). Logs and the benchmark JSON go to $OUT when set.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 
-if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then  # wheels the image lacks (scripts/device_wheels.sh)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! "$PY" -c 'import duelq.server, duelq.kernels' 2>/dev/null; then
-    SHIM=$(mktemp -d)
-    mkdir -p "$SHIM/duelq"
-    for pkg in server client kernels; do ln -s "$ROOT/$pkg" "$SHIM/duelq/$pkg"; done
-    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. "$ROOT/scripts/device_env.sh"
 cd "$ROOT"
 
 # The gpu tests need no conftest fixtures; skip tests/conftest.py where the service's

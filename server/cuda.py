@@ -8,12 +8,13 @@ pending copy from the current one, :meth:`CudaBackend.commit` swaps an index.
 Per step the host does one H2D copy of a packed pinned input buffer, one cooperative
 launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
 ``kernels/learner_step.cu``); it then adds the G per-block loss, Q and norm partials in
-block order.  The kernel also reports whether every feature value was finite, so the host
-skips that pass over the batch.  :meth:`CudaBackend.upload` packs a batch into one of a
-few pinned slots and starts its copy on a second stream before the step's turn; the step
-then waits for that copy on the device instead of making it.  Blocks hand each other partials as words tagged with the launch's epoch
-(``kernels/dueling_common.cuh``); the host numbers the launches.  ``learner_step`` is compiled at two row tiles: the smaller serves batches
-that need at most one block per SM, the larger the rest.
+block order.  Blocks hand each other partials as words tagged with the launch's epoch
+(``kernels/dueling_common.cuh``); the host numbers the launches.  The kernel also reports
+whether every feature value was finite, so the host skips that pass over the batch.
+:meth:`CudaBackend.upload` packs a batch into one of a few pinned slots and starts its
+copy on a second stream before the step's turn; the step then waits for that copy on the
+device instead of making it.  ``learner_step`` is compiled per feature dtype and at two
+row tiles: the smaller serves batches that need at most one block per SM, the larger the rest.
 """
 
 from __future__ import annotations

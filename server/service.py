@@ -243,8 +243,8 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     def _keyed(self, key: pb.RequestKey, kind: type, apply: Callable[[], Any],
                context: grpc.ServicerContext | None) -> Any:
-        """Run a state change once per key: replay the recorded response on a repeat."""
-        ReplayGuard.check_key(key.actor_id, key.seq)
+        """Run a state change once per key (already checked by the caller, before its own
+        work): replay the recorded response on a repeat."""
         with self._admit(context, changes=True):
             if key.actor_id:
                 recorded = self._replay.lookup(key.actor_id, key.seq, kind)
@@ -299,6 +299,7 @@ class LearnerService(pb_grpc.LearnerServicer):
             result = learner.compute_entropy(actions, slot, request.alpha)
             return pb.EntropyResponse(entropy=result.entropy, ema=result.ema, slot=result.slot,
                                       key=request.key)
+        ReplayGuard.check_key(request.key.actor_id, request.key.seq)
         return self._keyed(request.key, pb.EntropyResponse, apply, context)
 
     @_rpc
