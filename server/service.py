@@ -49,6 +49,15 @@ from .state import LearnerState
 
 log = logging.getLogger(__name__)
 
+def _version() -> str:
+    try:
+        return metadata.version("duelq")
+    except metadata.PackageNotFoundError:  # run from a source tree (the GPU image's link farm)
+        return "0+source"
+
+
+SERVER_VERSION = _version()
+
 #: The recorded response types, by name, for idempotency records in checkpoints.
 REPLAY_KINDS = {"TrainResponse": pb.TrainResponse, "EntropyResponse": pb.EntropyResponse}
 
@@ -345,4 +354,4 @@ class LearnerService(pb_grpc.LearnerServicer):
                        version=step, max_message_bytes=self.limits.max_message_bytes,
                        max_batch_size=self.limits.max_batch_size,
                        max_streams=self.limits.max_streams, max_queue=self.limits.max_queue,
-                       server_version=metadata.version("duelq"))
+                       server_version=SERVER_VERSION)

@@ -461,3 +461,15 @@ def test_info_reports_backend_config_and_limits(make_server):
     assert LearnerConfig.from_dict(json.loads(info.config_json)) == config
     assert (info.max_batch_size, info.max_streams, info.step) == (99, 3, 0)
     assert info.max_queue == ServerOptions().max_queue
+
+
+def test_server_version_falls_back_when_duelq_is_not_installed(monkeypatch):
+    from importlib import metadata
+
+    from duelq.server import service
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+    assert service._version() == metadata.version("duelq")
+    monkeypatch.setattr(metadata, "version", missing)
+    assert service._version() == "0+source"   # GetInfo still answers from a source tree
