@@ -83,6 +83,10 @@ class Backend(abc.ABC):
         run while another step does). None: nothing to do, or no staging space free now."""
         return None
 
+    def register_host(self, region: np.ndarray) -> None:
+        """A hint: many batches will be views into ``region`` (a shared-memory slot pool);
+        a device backend may page-lock it and upload from it directly.  Default: nothing."""
+
     @abc.abstractmethod
     def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
         """Compute step ``self.step + 1`` on a validated batch (sent ahead by ``upload``

@@ -281,7 +281,11 @@ def serve(args: argparse.Namespace) -> int:
     NOT_SERVING, drain, final checkpoint, exit 0."""
     config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
     try:
-        server = LearnerServer(options)
+        if options.front_process:
+            from .front import FrontServer
+            server = FrontServer(options)
+        else:
+            server = LearnerServer(options)
     except InvalidArgument as exc:  # an unreadable or empty --token-file
         raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
     try:
@@ -308,7 +312,10 @@ def serve(args: argparse.Namespace) -> int:
         server.stop(0)
         return EXIT_FAILURE
     while not stop.wait(0.5):
-        pass
+        if options.front_process and server.broken.is_set():
+            log.error("the learner process died; exiting")
+            server.stop(0)
+            return EXIT_FAILURE
     log.info("draining: finishing admitted steps, then the final checkpoint; running rpcs "
              "get up to %g s", options.grace_s)
     try:

@@ -129,6 +129,21 @@ class _Staging:
         cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.device.data.ptr, 4 * words,
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
+    def copy_in(self, batch: Batch, stream: cp.cuda.Stream) -> None:
+        """Copy ``batch``, whose arrays lie in page-locked host memory, into the device
+        buffer in :meth:`pack`'s layout: one H2D copy per array, nothing packed on the host."""
+        B, H = batch.size, batch.h_t.shape[1]
+        feature_bytes = 2 * B * H * batch.h_t.dtype.itemsize
+        self.reserve(feature_bytes // 4 + 5 * B)
+        base = self.device.data.ptr
+        for offset, a in ((0, batch.h_t), (feature_bytes // 2, batch.h_tp1),
+                          *((feature_bytes + 4 * B * i, column) for i, column in enumerate(
+                              (batch.actions, batch.rewards, batch.dones, batch.discounts,
+                               batch.weights)))):
+            if a is not None:
+                cp.cuda.runtime.memcpyAsync(base + offset, a.ctypes.data, a.nbytes,
+                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
     def pack(self, batch: Batch) -> int:
         """Write ``batch`` in the kernel's packed input layout (features in their own dtype,
         then 32-bit words); returns the words used."""
@@ -208,6 +223,7 @@ class CudaBackend(Backend):
         self._epoch = 1
         self._inputs, self._outputs = _Staging(), _Staging()
         self._upload_stream = cp.cuda.Stream(non_blocking=True)
+        self._registered: list[tuple[int, int]] = []   # page-locked host spans [lo, hi)
         self._free_uploads: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for _ in range(UPLOAD_SLOTS):
             self._free_uploads.put(_Slot())
@@ -332,6 +348,32 @@ class CudaBackend(Backend):
         """Pack ``batch`` into the step's own pinned input buffer and start its H2D copy."""
         self._inputs.upload(self._inputs.pack(batch), self.stream)
 
+    def register_host(self, region: np.ndarray) -> None:
+        """Page-lock ``region`` (cudaHostRegister): batches whose arrays all lie in it are
+        then uploaded straight from it, with no pack into a staging buffer.  The caller
+        keeps such a batch's bytes unchanged until its step has returned."""
+        if region.nbytes:
+            cp.cuda.runtime.hostRegister(region.ctypes.data, region.nbytes, 0)
+            self._registered.append((region.ctypes.data, region.ctypes.data + region.nbytes))
+
+    def unregister_host(self, region: np.ndarray) -> None:
+        """Undo :meth:`register_host` for ``region``."""
+        span = (region.ctypes.data, region.ctypes.data + region.nbytes)
+        if span in self._registered:
+            self._registered.remove(span)
+            cp.cuda.runtime.hostUnregister(span[0])
+
+    def _in_registered(self, batch: Batch) -> bool:
+        def inside(a: np.ndarray | None) -> bool:
+            if a is None:
+                return True
+            start = a.ctypes.data
+            return a.flags.c_contiguous and any(lo <= start and start + a.nbytes <= hi
+                                                for lo, hi in self._registered)
+        return bool(self._registered) and all(inside(a) for a in (
+            batch.h_t, batch.h_tp1, batch.actions, batch.rewards, batch.dones,
+            batch.discounts, batch.weights))
+
     def upload(self, batch: Batch) -> Upload | None:
         B, H = batch.size, self.config.hidden_dim
         if 2 * B * H + 5 * B > UPLOAD_MAX_WORDS:
@@ -341,8 +383,11 @@ class CudaBackend(Backend):
         except queue.Empty:
             return None
         try:
-            slot.copied.synchronize()  # its previous copy out of the host buffer has finished
-            slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
+            if self._in_registered(batch):
+                slot.staging.copy_in(batch, self._upload_stream)
+            else:
+                slot.copied.synchronize()  # its previous copy out of the host buffer is done
+                slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
             slot.copied.record(self._upload_stream)
         except BaseException:
             self._free_uploads.put(slot)

@@ -95,6 +95,15 @@ class ServerOptions:
     """Save a checkpoint every this many seconds if steps were applied; 0 = no time trigger."""
     checkpoint_keep: int = 3
     """Checkpoints kept in ``checkpoint_dir`` (the newest ones)."""
+    front_process: bool = False
+    """Serve gRPC from this process and run the learner in a second one, handing train
+    requests over through shared memory: gRPC's per-message work and the learner's no
+    longer share one GIL (see docs/benchmarks.md)."""
+    relay_slots: int = 32
+    """With ``front_process``: train requests in flight between the two processes."""
+    relay_slot_mb: float = 8.0
+    """With ``front_process``: MiB of shared memory per slot; larger requests are relayed
+    through the socket instead (slower, same result)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, problem: str) -> None:
@@ -121,6 +130,8 @@ class ServerOptions:
         need(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be ≥ 0")
         need(self.checkpoint_every_seconds >= 0, "checkpoint_every_seconds", "must be ≥ 0")
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
+        need(self.relay_slots >= 1, "relay_slots", "must be ≥ 1")
+        need(1 / 16 <= self.relay_slot_mb <= 1024, "relay_slot_mb", "must be in [1/16, 1024]")
 
     def bearer_token(self) -> str:
         """``token``, or the contents of ``token_file``; "" when auth is off."""
@@ -251,45 +262,92 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
+def auth_interceptors(options: ServerOptions) -> tuple[grpc.ServerInterceptor, ...]:
+    """The bearer-token check, when ``options`` asks for one."""
+    token = options.bearer_token()
+    return (BearerAuth(token),) if token else ()
+
+
+def grpc_server(options: ServerOptions, interceptors: tuple) -> grpc.Server:
+    """grpc's sync server with ``options``' thread and message-size limits."""
+    size = options.max_message_bytes
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=options.max_rpcs, thread_name_prefix="duelq-rpc"),
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", size),
+                 ("grpc.max_send_message_length", size),
+                 ("grpc.so_reuseport", 0)],  # a port in use is an error, not shared
+        maximum_concurrent_rpcs=options.max_rpcs)
+
+
+def add_health_and_reflection(server: grpc.Server) -> health.HealthServicer:
+    """Health (NOT_SERVING for now) and reflection of the Learner, Health and reflection
+    services; returns the health servicer."""
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
+
+
+def set_health(servicer: health.HealthServicer, status: int) -> None:
+    for name in ("", SERVICE_NAME):
+        servicer.set(name, status)
+
+
+def bind(server: grpc.Server, options: ServerOptions, address: str = "") -> int:
+    """Listen on ``options``' host:port (TLS if configured) or on ``address`` (plaintext, for
+    a private Unix socket); the bound port.  OSError when it cannot."""
+    private, address = bool(address), address or f"{options.host}:{options.port}"
+    try:
+        if private:
+            port = server.add_insecure_port(address)
+        elif options.tls_cert:
+            port = server.add_secure_port(address, grpc.ssl_server_credentials(
+                [(_read(options.tls_key), _read(options.tls_cert))],
+                root_certificates=(_read(options.tls_client_ca)
+                                   if options.tls_client_ca else None),
+                require_client_auth=bool(options.tls_client_ca)))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises RuntimeError when it cannot bind
+        raise OSError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0 and not private:
+        raise OSError(f"cannot listen on {address}")
+    return port
+
+
+def local_target(host: str, port: int | None) -> str:
+    """host:port a client on this machine can dial for a server bound to ``host``."""
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}.get(host, host)
+    return f"{host}:{port}"
+
+
 class LearnerServer:
     """A running duelq gRPC server; attach a learner to start serving it."""
 
     def __init__(self, options: ServerOptions, *,
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()):
         self.options = options
-        self.health = health.HealthServicer()
         self.service = LearnerService(
             Limits(options.max_message_bytes, options.max_batch_size, options.max_streams,
                    options.max_queue),
             replay=ReplayGuard(capacity=options.replay_cache, max_actors=options.max_actors))
-        token = options.bearer_token()
-        auth = (BearerAuth(token),) if token else ()
+        auth = auth_interceptors(options)
         # Outermost, so refusals by the auth interceptor are counted too.
         self.metrics = Metrics(lambda: self.service._learner) if options.metrics_port else None
         if self.metrics is not None:
             auth = (self.metrics.interceptor,) + auth
             self.metrics.checkpoint_dir = options.checkpoint_dir
-        auth += (DecodeGuard(),)
-        size = options.max_message_bytes
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=options.max_rpcs,
-                                       thread_name_prefix="duelq-rpc"),
-            interceptors=auth + tuple(interceptors),
-            options=[("grpc.max_receive_message_length", size),
-                     ("grpc.max_send_message_length", size),
-                     ("grpc.so_reuseport", 0)],  # a port in use is an error, not shared
-            maximum_concurrent_rpcs=options.max_rpcs)
+        self._server = grpc_server(options, auth + (DecodeGuard(),) + tuple(interceptors))
         add_learner_servicer(self.service, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self._server)
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health = add_health_and_reflection(self._server)
         self.port: int | None = None
 
     def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        set_health(self.health, status)
 
     @property
     def learner(self) -> Learner:
@@ -298,34 +356,18 @@ class LearnerServer:
     @property
     def target(self) -> str:
         """host:port a client on this machine can dial."""
-        host = self.options.host
-        host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}.get(host, host)
-        return f"{host}:{self.port}"
+        return local_target(self.options.host, self.port)
 
-    def start(self) -> int:
-        """Bind and start serving health and reflection; returns the bound port."""
-        address = f"{self.options.host}:{self.options.port}"
-        if self.options.tls_cert:
-            credentials = grpc.ssl_server_credentials(
-                [(_read(self.options.tls_key), _read(self.options.tls_cert))],
-                root_certificates=(_read(self.options.tls_client_ca)
-                                   if self.options.tls_client_ca else None),
-                require_client_auth=bool(self.options.tls_client_ca))
-            bind = lambda: self._server.add_secure_port(address, credentials)  # noqa: E731
-        else:
-            bind = lambda: self._server.add_insecure_port(address)  # noqa: E731
-        try:
-            self.port = bind()
-        except RuntimeError as exc:  # grpcio raises RuntimeError when it cannot bind
-            raise OSError(f"cannot listen on {address}: {exc}") from exc
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+    def start(self, address: str = "") -> int:
+        """Bind (``host:port``, or ``address``) and start serving health and reflection;
+        returns the bound port (0 for a Unix socket)."""
+        self.port = bind(self._server, self.options, address)
         if self.metrics is not None:  # before serving: a busy port leaves nothing running
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         self._server.start()
         log.info("listening on %s (%s), health NOT_SERVING until the backend is ready",
-                 f"{self.options.host}:{self.port}", "TLS" if self.options.tls_cert else
-                 "plaintext")
+                 address or f"{self.options.host}:{self.port}",
+                 "TLS" if self.options.tls_cert and not address else "plaintext")
         return self.port
 
     def serve_learner(self, config: LearnerConfig, *, backend: str = "auto") -> Learner:
@@ -377,10 +419,12 @@ class LearnerServer:
         log.info("serving %s: backend %s on %s, step %d", SERVICE_NAME, learner.backend.name,
                  learner.backend.device, learner.step_count)
 
-    def stop(self, grace_s: float | None = None) -> tuple[Path, int] | None:
-        """NOT_SERVING, drain state changes, final checkpoint, stop gRPC after ``grace_s``.
+    def stop(self, grace_s: float | None = None, *,
+             final_checkpoint: bool = True) -> tuple[Path, int] | None:
+        """NOT_SERVING, drain state changes, final checkpoint (unless ``final_checkpoint`` is
+        False), stop gRPC after ``grace_s``.
 
-        Returns the final checkpoint's (path, step), or None without checkpoints.
+        Returns the final checkpoint's (path, step), or None without one.
         Raises :class:`CheckpointError` if it cannot be written (gRPC still stops).
         """
         self.health.enter_graceful_shutdown()
@@ -390,7 +434,7 @@ class LearnerServer:
             if self.service._learner is not None:
                 self.service.drain()
                 if self.service.checkpoints is not None:
-                    saved = self.service.checkpoints.close(final=True)
+                    saved = self.service.checkpoints.close(final=final_checkpoint)
         finally:
             self._server.stop(grace).wait()
             if self.metrics is not None:
@@ -401,8 +445,15 @@ class LearnerServer:
 
 def start_server(config: LearnerConfig, options: ServerOptions, *, backend: str = "auto",
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
-    """Start a server, build (or resume) the learner on ``backend``; SERVING on return."""
-    server = LearnerServer(options, interceptors=interceptors)
+    """Start a server (a :class:`~duelq.server.front.FrontServer` with ``front_process``),
+    build (or resume) the learner on ``backend``; SERVING on return."""
+    if options.front_process:
+        from .front import FrontServer
+        if interceptors:
+            raise ValueError("interceptors are not supported with front_process")
+        server = FrontServer(options)
+    else:
+        server = LearnerServer(options, interceptors=interceptors)
     server.start()
     try:
         server.serve_learner(config, backend=backend)

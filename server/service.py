@@ -45,6 +45,7 @@ from .checkpoint import CheckpointError, CheckpointWriter
 from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, StepResult
+from .wire import parse_train_request
 from .state import LearnerState
 
 log = logging.getLogger(__name__)
@@ -85,16 +86,20 @@ _STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
 )
 
 
-def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
-    """The choke point: one exception → one status, via context.abort."""
+def refusal(exc: Exception, method: str, peer: str) -> tuple[grpc.StatusCode, str]:
+    """The choke point: one exception → (status code, details), logged."""
     for types, code in _STATUS:
         if isinstance(exc, types):
             message = exc.details if isinstance(exc, client_errors.DuelqError) else str(exc)
-            log.info("%s from %s: %s %s", method, context.peer(), code.name, message)
-            context.abort(code, message)
+            log.info("%s from %s: %s %s", method, peer, code.name, message)
+            return code, message
     ref = secrets.token_hex(4)
-    log.exception("%s from %s: internal error (ref %s)", method, context.peer(), ref)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log")
+    log.error("%s from %s: internal error (ref %s)", method, peer, ref, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (ref {ref}); see the server log"
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    context.abort(*refusal(exc, method, context.peer()))
 
 
 def _rpc(handler):
@@ -283,20 +288,41 @@ class LearnerService(pb_grpc.LearnerServicer):
                 return response
             return self._keyed(request.key, pb.TrainResponse, apply, context)
 
+    def relay_train(self, data: memoryview, call, unary: bool) -> pb.TrainResponse:
+        """A relayed TrainStep/TrainStream request's bytes (server/relay.py) → its answer.
+
+        Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
+        request = parse_train_request(data)
+        if request is None:
+            try:
+                request = pb.TrainRequest.FromString(bytes(data))
+            except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
+                name = "TrainStep" if unary else "TrainStream"
+                raise InvalidArgument("request", f"cannot parse as the {name} request message "
+                                      f"({type(exc).__name__}: {exc})") from None
+        return self._train(request, call)
+
+    def open_stream(self) -> None:
+        """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""
+        if not self._streams.acquire(blocking=False):
+            raise ResourceExhausted(f"too many concurrent TrainStreams "
+                                    f"(limit {self.limits.max_streams})")
+
+    def close_stream(self) -> None:
+        self._streams.release()
+
     @_rpc
     def TrainStep(self, request, context):
         return self._train(request, context)
 
     @_rpc
     def TrainStream(self, request_iterator, context) -> Iterator[pb.TrainResponse]:
-        if not self._streams.acquire(blocking=False):
-            raise ResourceExhausted(f"too many concurrent TrainStreams "
-                                    f"(limit {self.limits.max_streams})")
+        self.open_stream()
         try:
             for request in request_iterator:
                 yield self._train(request, context)
         finally:
-            self._streams.release()
+            self.close_stream()
 
     @_rpc
     def ComputeEntropy(self, request, context):

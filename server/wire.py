@@ -119,11 +119,18 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
 
 
 def parse_train_request(data) -> WireTrainRequest | None:
-    """``data`` in the canonical encoding as a :class:`WireTrainRequest`; None otherwise."""
-    if type(data) is not bytes:
+    """``data`` (bytes, or a flat byte memoryview such as a shared-memory slot) in the
+    canonical encoding as a :class:`WireTrainRequest`; None otherwise."""
+    if type(data) is memoryview:
+        if data.ndim != 1 or data.itemsize != 1:
+            return None
+        view = data.cast("B") if data.format != "B" else data
+        data = view
+    elif type(data) is bytes:
+        view = memoryview(data)
+    else:
         return None
     n = len(data)
-    view = memoryview(data)
     present: dict = {}
     pos, last = 0, 0
     try:
@@ -139,7 +146,7 @@ def parse_train_request(data) -> WireTrainRequest | None:
                 return None
             if field == 8:
                 try:
-                    present["key"] = pb.RequestKey.FromString(data[pos:end])
+                    present["key"] = pb.RequestKey.FromString(bytes(data[pos:end]))
                 except Exception:  # noqa: BLE001 — upb's DecodeError: let the full parse say it
                     return None
             else:

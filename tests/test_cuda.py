@@ -569,6 +569,41 @@ def test_uploaded_batches_step_exactly_like_staged_ones():
     assert sum(ahead.prepare(b).upload is not None for b in batches[:3]) == 3  # all came back
 
 
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+def test_batches_in_registered_memory_upload_straight_and_step_alike(wire):
+    """Requests read in place from a page-locked pool (the front process's slots, at odd
+    offsets) are copied to the device array by array, and step bit for bit like the same
+    batches packed the usual way."""
+    from duelq.client import encode_batch
+    from duelq.server.service import decode_batch
+    from duelq.server.wire import parse_train_request
+    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
+    rng = np.random.default_rng(21)
+    start = random_state(config, rng, 0)
+    plain = Learner(config, backend=cuda_backend(config, start))
+    direct = Learner(config, backend=cuda_backend(config, start))
+    pool = np.zeros(8 << 20, np.uint8)
+    direct.backend.register_host(pool)
+    try:
+        for B, weights, offset in ((1024, True, 3), (31, False, 1 << 20), (4096, True, 7)):
+            data = encode_batch(random_batch(rng, B, config, start, weights),
+                                feature_dtype=wire).SerializeToString()
+            pool[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+            in_pool = decode_batch(parse_train_request(pool.data[offset:offset + len(data)]),
+                                   keep_16bit=True)
+            with direct.prepare(in_pool) as prepared:
+                assert direct.backend._in_registered(prepared.batch)  # the direct path
+                got = direct.step(prepared)
+            want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
+            assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
+                                                              want.entropy)
+            assert got.td_errors.tobytes() == want.td_errors.tobytes()
+        assert direct.snapshot().checksum() == plain.snapshot().checksum()
+    finally:
+        direct.backend.unregister_host(pool)
+    assert not direct.backend._registered
+
+
 def test_learner_auto_picks_cuda():
     config = LearnerConfig()
     learner = Learner(config, backend="auto")

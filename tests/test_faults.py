@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from duelq.client import LearnerClient, encode_batch
 from duelq.server.checkpoint import read_latest
@@ -190,7 +191,8 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged_before_the_last_checkpoin
             second.kill()
 
 
-def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("front", [(), ("--front-process",)], ids=["one-process", "front-process"])
+def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_path, front):
     port, directory, count = free_port(), tmp_path / "ckpt", 160
     rng = np.random.default_rng(3)
     batches = [random_batch(rng, 8) for _ in range(count)]
@@ -206,7 +208,7 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
         except BaseException as exc:  # noqa: BLE001 — reported below
             failures.append(exc)
 
-    first = Served(port, "--checkpoint-dir", str(directory))
+    first = Served(port, "--checkpoint-dir", str(directory), *front)
     second = None
     try:
         first.wait_serving()
@@ -217,7 +219,7 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
         assert first.stop(signal.SIGTERM) == 0, first.log
         assert "SIGTERM received" in first.log and "final checkpoint" in first.log
         stopped = read_latest(directory, SMALL)
-        second = Served(port, "--checkpoint-dir", str(directory))
+        second = Served(port, "--checkpoint-dir", str(directory), *front)
         thread.join(90)
         assert not failures, (failures, second.log)
 

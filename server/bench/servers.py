@@ -116,6 +116,9 @@ class TimedBackend(Backend):
     def upload(self, batch: Batch) -> Upload | None:  # the copy: not timed as backend work
         return self.inner.upload(batch)
 
+    def register_host(self, region: np.ndarray) -> None:
+        self.inner.register_host(region)
+
     def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
         return self._timed(self.inner.propose, batch, upload)
 

@@ -1,0 +1,391 @@
+"""The hand-over of train requests from the front process to the learner process.
+
+With ``--front-process`` the gRPC server runs in one process and the learner in
+another, so gRPC's per-message Python work and the learner's (parse, checks,
+copy, launch, encode) no longer share one GIL.  Request bytes travel through a
+shared-memory slot pool (a memfd, so Docker's 64 MiB /dev/shm is no limit); a
+Unix socket pair carries fixed-size frames:
+
+    front → learner   OPEN  stream, unary flag
+                      REQ   stream, slot (-1: the bytes follow inline), size, deadline
+                      END   stream: the rpc is over; requests not started are not applied
+    learner → front   REPLY stream, slot, status code, size, then the payload
+                      (TrainResponse bytes, or the error details as UTF-8)
+
+Every REQ gets exactly one REPLY, in order within its stream; the front gives a
+slot back only on its REPLY, so the learner reads the bytes in place.  Requests
+of one stream run one at a time, in order, on a thread pool; streams run side by
+side (steps still serialise on the service's apply lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from concurrent import futures
+from typing import Callable, Iterator
+
+import grpc
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+OPEN, REQ, END = 1, 2, 3
+_FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: none)
+_REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+INLINE = -1
+
+
+class RelayClosed(Exception):
+    """The other process went away."""
+
+
+class SlotPool:
+    """``count`` slots of ``size`` bytes in one shared mapping (a memfd)."""
+
+    def __init__(self, count: int, size: int, fd: int | None = None):
+        self.count, self.size = count, size
+        if fd is None:
+            fd = os.memfd_create("duelq-relay", os.MFD_CLOEXEC)
+            os.ftruncate(fd, count * size)
+        self.fd = fd
+        self._map = mmap.mmap(fd, count * size)
+        self.bytes = np.frombuffer(self._map, np.uint8)   # [count * size]
+        self.view = memoryview(self._map)
+
+    def slot(self, index: int, n: int) -> memoryview:
+        return self.view[index * self.size: index * self.size + n]
+
+    def write(self, index: int, data: bytes) -> None:
+        start = index * self.size
+        self.bytes[start:start + len(data)] = np.frombuffer(data, np.uint8)  # GIL released
+
+    def close(self) -> None:
+        self.view.release()
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:   # a request still holds a view: the mapping goes with the process
+            pass
+        os.close(self.fd)
+
+
+def _recv_exact(rfile, n: int) -> bytes:
+    data = rfile.read(n)
+    if len(data) != n:
+        raise RelayClosed("the relay socket closed")
+    return data
+
+
+# ── front side ───────────────────────────────────────────────────────────────────────
+
+
+class FrontStream:
+    """One rpc's requests towards the learner and their replies, in order."""
+
+    def __init__(self, relay: "RelayFront", sid: int, deadline: float | None):
+        self._relay, self.sid = relay, sid
+        self._deadline = deadline or 0.0
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0          # sent, not answered
+        self._sending = True       # more requests may come
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def submit(self, data: bytes) -> bool:
+        """Send one request; False when the stream is closed (the request is dropped)."""
+        slot = self._relay.take_slot(self)
+        if slot is None:
+            return False
+        with self._lock:
+            self._pending += 1
+        try:
+            self._relay.send_request(self.sid, slot, data, self._deadline)
+        except RelayClosed:
+            self._replies.put((grpc.StatusCode.UNAVAILABLE, b"the learner process went away"))
+        return True
+
+    def done_sending(self) -> None:
+        with self._lock:
+            self._sending = False
+        self._replies.put(None)
+
+    def deliver(self, code: grpc.StatusCode, payload: bytes) -> None:
+        self._replies.put((code, payload))
+
+    def replies(self) -> Iterator[tuple[grpc.StatusCode, bytes]]:
+        """(code, payload) per request, in order; ends when no more can come."""
+        while True:
+            with self._lock:
+                if not self._sending and self._pending == 0:
+                    return
+            item = self._replies.get()
+            if item is None:
+                continue
+            with self._lock:
+                self._pending -= 1
+            yield item
+
+    def close(self) -> None:
+        self.closed = True
+        self._relay.end(self)
+
+
+class RelayFront:
+    """The front process's end: submits requests and routes the learner's replies."""
+
+    def __init__(self, sock: socket.socket, slots: SlotPool):
+        self._sock, self.slots = sock, slots
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(slots.count):
+            self._free.put(i)
+        self._send_lock = threading.Lock()
+        self._streams: dict[int, FrontStream] = {}
+        self._ids = iter(range(1, 1 << 32))
+        self._ids_lock = threading.Lock()
+        self.alive = True
+        self.on_close: Callable[[], None] = lambda: None
+        self._reader = threading.Thread(target=self._read_replies, name="duelq-relay-front",
+                                        daemon=True)
+        self._reader.start()
+
+    def open(self, *, unary: bool, deadline: float | None) -> FrontStream:
+        with self._ids_lock:
+            sid = next(self._ids)
+        stream = FrontStream(self, sid, deadline)
+        self._streams[sid] = stream
+        self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
+        return stream
+
+    def take_slot(self, stream: FrontStream) -> int | None:
+        """A free slot (waits while all are in use); None if the stream or relay closed."""
+        while not stream.closed and self.alive:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
+        if len(data) <= self.slots.size:
+            self.slots.write(slot, data)
+            self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
+        else:  # larger than a slot: inline (the slot still counts the request in flight)
+            self._send(_FRAME.pack(REQ, sid, INLINE - slot, len(data), deadline), data)
+
+    def end(self, stream: FrontStream) -> None:
+        self._streams.pop(stream.sid, None)
+        if self.alive:
+            try:
+                self._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
+            except RelayClosed:
+                pass
+
+    def _send(self, frame: bytes, payload: bytes = b"") -> None:
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+                if payload:
+                    self._sock.sendall(payload)
+        except OSError as exc:
+            raise RelayClosed(f"the learner process went away ({exc})") from None
+
+    def _read_replies(self) -> None:
+        rfile = self._sock.makefile("rb", buffering=1 << 16)
+        try:
+            while True:
+                sid, slot, code, n = _REPLY.unpack(_recv_exact(rfile, _REPLY.size))
+                payload = _recv_exact(rfile, n) if n else b""
+                self._free.put(slot if slot >= 0 else INLINE - slot)
+                stream = self._streams.get(sid)
+                if stream is not None:
+                    stream.deliver(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload)
+        except (RelayClosed, OSError, ValueError):
+            pass
+        finally:
+            self.alive = False
+            for stream in list(self._streams.values()):
+                stream.deliver(grpc.StatusCode.UNAVAILABLE,
+                               b"the learner process went away; retry with the same key")
+            self.on_close()
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._reader.join(5)
+
+
+# ── learner side ─────────────────────────────────────────────────────────────────────
+
+
+class RelayCall:
+    """What the service reads of a grpc context, for a relayed request."""
+
+    def __init__(self, deadline: float, stream: "_LearnerStream"):
+        self._deadline, self._stream = deadline, stream
+
+    def time_remaining(self) -> float | None:
+        return self._deadline - time.monotonic() if self._deadline else None
+
+    def is_active(self) -> bool:
+        return not self._stream.ended and (not self._deadline
+                                           or time.monotonic() < self._deadline)
+
+    def peer(self) -> str:
+        return "relay"
+
+
+class _LearnerStream:
+    __slots__ = ("sid", "unary", "queue", "running", "ended", "failed", "admitted")
+
+    def __init__(self, sid: int, unary: bool):
+        self.sid, self.unary = sid, unary
+        self.queue: deque = deque()
+        self.running = self.ended = self.admitted = False
+        self.failed: tuple[grpc.StatusCode, bytes] | None = None
+
+
+#: Runs one request: (request bytes, call, unary) → response bytes; raises to refuse it.
+Handler = Callable[[memoryview, RelayCall, bool], bytes]
+#: Turns a handler's exception into (status code, details).
+Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
+
+
+class RelayLearner:
+    """The learner process's end: runs each stream's requests in order and replies."""
+
+    def __init__(self, sock: socket.socket, slots: SlotPool, handle: Handler, refuse: Refusal,
+                 *, open_stream: Callable[[], None], close_stream: Callable[[], None],
+                 workers: int):
+        self._sock, self.slots = sock, slots
+        self._handle, self._refuse = handle, refuse
+        self._open_stream, self._close_stream = open_stream, close_stream
+        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="duelq-relay")
+        self._streams: dict[int, _LearnerStream] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.closed = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="duelq-relay-learner",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def _read(self) -> None:
+        rfile = self._sock.makefile("rb", buffering=1 << 16)
+        try:
+            while True:
+                op, sid, slot, n, deadline = _FRAME.unpack(_recv_exact(rfile, _FRAME.size))
+                if op == OPEN:
+                    self._open(sid, unary=bool(slot))
+                elif op == REQ:
+                    data = (self.slots.slot(slot, n) if slot >= 0
+                            else memoryview(_recv_exact(rfile, n)))
+                    self._enqueue(sid, (slot, data, deadline))
+                elif op == END:
+                    self._end(sid)
+        except (RelayClosed, OSError, struct.error) as exc:
+            log.info("relay closed: %s", exc)
+        finally:
+            with self._lock:
+                for stream in self._streams.values():
+                    stream.ended = True
+            self.closed.set()
+
+    def _open(self, sid: int, unary: bool) -> None:
+        stream = _LearnerStream(sid, unary)
+        if not unary:
+            try:
+                self._open_stream()
+                stream.admitted = True
+            except Exception as exc:  # noqa: BLE001 — e.g. too many streams: its first answer
+                code, details = self._refuse(exc, unary)
+                stream.failed = (code, details.encode())
+        with self._lock:
+            self._streams[sid] = stream
+
+    def _enqueue(self, sid: int, item) -> None:
+        with self._lock:
+            stream = self._streams[sid]
+            stream.queue.append(item)
+            if stream.running:
+                return
+            stream.running = True
+        self._pool.submit(self._drain, stream)
+
+    def _end(self, sid: int) -> None:
+        with self._lock:
+            stream = self._streams[sid]
+            stream.ended = True
+            if stream.running:
+                return
+        self._finish(stream)
+
+    def _finish(self, stream: _LearnerStream) -> None:
+        with self._lock:
+            self._streams.pop(stream.sid, None)
+        if stream.admitted:
+            self._close_stream()
+
+    def _drain(self, stream: _LearnerStream) -> None:
+        while True:
+            with self._lock:
+                if not stream.queue:
+                    stream.running = False
+                    done = stream.ended
+                    break
+                slot, data, deadline = stream.queue.popleft()
+            self._reply(stream, slot, *self._run(stream, data, deadline))
+        if done:
+            self._finish(stream)
+
+    def _run(self, stream: _LearnerStream, data: memoryview,
+             deadline: float) -> tuple[grpc.StatusCode, bytes]:
+        if stream.failed is not None:
+            return stream.failed
+        if stream.ended:
+            return (grpc.StatusCode.CANCELLED, b"the call ended before this request started; "
+                                               b"it was not applied")
+        try:
+            return grpc.StatusCode.OK, self._handle(data, RelayCall(deadline, stream),
+                                                    stream.unary)
+        except Exception as exc:  # noqa: BLE001 — every refusal is answered
+            code, details = self._refuse(exc, stream.unary)
+            stream.failed = (code, details.encode())
+            return stream.failed
+        finally:
+            try:
+                data.release()
+            except BufferError:   # still viewed by the batch of a refused request
+                pass
+
+    def _reply(self, stream: _LearnerStream, slot: int, code: grpc.StatusCode,
+               payload: bytes) -> None:
+        frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+                if payload:
+                    self._sock.sendall(payload)
+        except OSError:
+            pass   # the front is gone; the reader sees it too
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(5)
+        self._pool.shutdown(wait=True)
+        self._sock.close()

@@ -1,0 +1,226 @@
+"""``--front-process``: the same answers, refusals and limits as the one-process server.
+
+Each test starts a FrontServer (gRPC here, the learner in a spawned process, train requests
+relayed through shared memory) and, where it compares, a LearnerServer with the same config,
+and drives both through the public API only.  tests/test_faults.py also runs its SIGTERM
+mid-stream drain-and-resume test against a front-process `duelq serve`.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duelq.client import LearnerClient, encode_batch
+from duelq.client import errors as client_errors
+from duelq.server.checkpoint import CheckpointError
+from duelq.server.config import LearnerConfig
+from duelq.server.front import FrontServer, LearnerProcessError
+from duelq.server.learner import cuda_usable
+from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
+from duelq.v1 import learner_pb2 as pb
+from duelq.v1 import learner_pb2_grpc as pb_grpc
+
+from conftest import SMALL, random_batch
+
+
+@pytest.fixture
+def pair(make_server):
+    """(one-process server, front-process server), same config, fresh state."""
+    plain = make_server()
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True), backend="reference")
+    yield plain, front
+    front.stop(0)
+
+
+def _stub(target: str) -> pb_grpc.LearnerStub:
+    return pb_grpc.LearnerStub(grpc.insecure_channel(target))
+
+
+def _results(target: str, rng_seed: int) -> list:
+    """Unary steps, a stream per wire dtype, entropy, act, ISV and weights, as plain values."""
+    rng = np.random.default_rng(rng_seed)
+    out = []
+    for wire in ("float32", "float16", "bfloat16"):
+        with LearnerClient(target, actor_id=f"a-{wire}", feature_dtype=wire) as client:
+            client.wait_ready(10)
+            r = client.train_step(random_batch(rng, 7))
+            out.append((r.loss, r.td_errors.tobytes(), r.step, r.seq))
+            for r in client.train_stream((random_batch(rng, 5 + i) for i in range(12)),
+                                         window=4):
+                out.append((r.loss, r.td_errors.tobytes(), r.priorities.tobytes(), r.step,
+                            r.entropy, r.replayed))
+            e = client.compute_entropy(rng.integers(0, SMALL.n_actions, 50).astype(np.int32),
+                                       "action_entropy_ema", alpha=0.1)
+            out.append((e.entropy, e.ema))
+            out.append(client.act(rng.standard_normal((3, SMALL.hidden_dim),
+                                                      dtype=np.float32)).q_values.tobytes())
+    with LearnerClient(target) as client:
+        weights = client.get_weights()
+        out.append([a.tobytes() for a in weights.params.arrays()])
+        out.append(client.info().step)
+    return out
+
+
+def test_trains_exactly_like_the_one_process_server(pair):
+    plain, front = pair
+    want, got = _results(plain.target, 5), _results(front.target, 5)
+    assert got == want
+    assert got[-1] == 3 * 13   # every step applied once
+
+
+def _refusal(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value.code(), caught.value.details()
+
+
+def test_refuses_like_the_one_process_server(pair):
+    """Bad values, bytes that do not parse, a failing request mid-stream (nothing after it
+    applied), a replayed key and a bad forwarded rpc: same code, same details."""
+    rng = np.random.default_rng(2)
+    bad = encode_batch(random_batch(rng, 6))
+    bad.dones.CopyFrom(encode_batch(random_batch(rng, 6)).rewards)  # not 0/1
+    good = [encode_batch(random_batch(rng, 6)) for _ in range(3)]
+    for i, request in enumerate(good):
+        request.key.CopyFrom(pb.RequestKey(actor_id="k", seq=i + 1))
+    seen = []
+    for server in pair:
+        stub = _stub(server.target)
+        raw = grpc.insecure_channel(server.target).unary_unary(f"/{SERVICE_NAME}/TrainStep")
+        stream = list(_refusal(lambda: list(stub.TrainStream(iter([good[0], bad, good[1]])))))
+        step_after_stream = stub.GetInfo(pb.GetInfoRequest()).step
+        again = stub.TrainStep(good[0])
+        seen.append([_refusal(lambda: stub.TrainStep(bad)),
+                     _refusal(lambda: raw(b"\x0a\x05\xff\xff")),
+                     stream, step_after_stream, (again.replayed, again.step),
+                     _refusal(lambda: stub.ComputeEntropy(pb.EntropyRequest(alpha=0.5)))])
+    want, got = seen
+    assert got == want
+    assert want[0][0] == grpc.StatusCode.INVALID_ARGUMENT and "dones" in want[0][1]
+    assert want[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "cannot parse" in want[1][1]
+    assert want[3] == 1 and want[4] == (True, 1)
+
+
+def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server):
+    """max_streams holds; requests beyond the slot size go through the socket and more
+    requests than slots are in flight at once: all answered, same results."""
+    options = dict(max_streams=1, max_rpcs=4, relay_slots=2, relay_slot_mb=1 / 16)
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True, **options),
+                         backend="reference")
+    plain = make_server(**options)
+    try:
+        rng = np.random.default_rng(9)
+        batches = [random_batch(rng, 1500 if i % 3 == 0 else 9) for i in range(10)]
+        assert 2 * 1500 * SMALL.hidden_dim * 4 > (1 << 20) / 16   # larger than a slot
+        answers = []
+        for server in (plain, front):
+            with LearnerClient(server.target, actor_id="big") as client:
+                answers.append([(r.loss, r.td_errors.tobytes()) for r in
+                                client.train_stream(batches, window=8)])
+        assert answers[0] == answers[1]
+
+        stub = _stub(front.target)
+        feed: queue.SimpleQueue = queue.SimpleQueue()   # a stream kept open …
+        feed.put(encode_batch(batches[1]))
+        first = stub.TrainStream(iter(feed.get, None))
+        assert next(first).step == len(batches) + 1
+        code, details = _refusal(lambda: next(stub.TrainStream(iter([encode_batch(batches[1])]))))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "TrainStreams" in details
+        feed.put(None)
+        assert list(first) == []
+    finally:
+        front.stop(0)
+
+
+def test_token_health_metrics_and_info(tmp_path):
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True, token="s3cret",
+                                              metrics_port=_free_port()), backend="reference")
+    try:
+        channel = grpc.insecure_channel(front.target)
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING   # no token needed
+        for call in (lambda: pb_grpc.LearnerStub(channel).GetInfo(pb.GetInfoRequest()),
+                     lambda: pb_grpc.LearnerStub(channel).TrainStep(
+                         encode_batch(random_batch(np.random.default_rng(0), 4)))):
+            assert _refusal(call)[0] == grpc.StatusCode.UNAUTHENTICATED
+        with LearnerClient(front.target, token="s3cret") as client:
+            list(client.train_stream((random_batch(np.random.default_rng(i), 4)
+                                      for i in range(5)), window=2))
+            assert client.info().step == 5
+        text = urllib.request.urlopen(
+            f"http://127.0.0.1:{front.options.metrics_port}/metrics", timeout=5).read().decode()
+        assert "duelq_steps_total 5.0" in text and "duelq_transitions_total 20.0" in text
+    finally:
+        front.stop(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stop_writes_the_final_checkpoint_and_a_restart_keeps_keys(tmp_path):
+    options = ServerOptions(port=0, front_process=True, checkpoint_dir=str(tmp_path))
+    rng = np.random.default_rng(4)
+    batches = [random_batch(rng, 6) for _ in range(3)]
+    front = start_server(SMALL, options, backend="reference")
+    with LearnerClient(front.target, actor_id="keeper") as client:
+        first = [r.loss for r in client.train_stream(batches)]
+    path, step = front.stop()
+    assert step == 3 and path.exists()
+
+    again = start_server(SMALL, options, backend="reference")
+    try:
+        request = encode_batch(batches[2])
+        request.key.CopyFrom(pb.RequestKey(actor_id="keeper", seq=3))
+        answer = _stub(again.target).TrainStep(request, timeout=10)
+        assert (answer.replayed, answer.step, answer.loss) == (True, 3, first[2])
+    finally:
+        again.stop(0)
+
+
+def test_refuses_to_start_over_another_configs_checkpoint(tmp_path):
+    start_server(SMALL, ServerOptions(port=0, checkpoint_dir=str(tmp_path)),
+                 backend="reference").stop()
+    other = LearnerConfig(hidden_dim=SMALL.hidden_dim + 1, n_actions=SMALL.n_actions)
+    with pytest.raises(CheckpointError, match="config mismatch"):
+        start_server(other, ServerOptions(port=0, front_process=True,
+                                          checkpoint_dir=str(tmp_path)), backend="reference")
+
+
+@pytest.mark.skipif(cuda_usable()[0], reason="a GPU is usable here")
+def test_a_backend_that_cannot_start_is_reported():
+    with pytest.raises(LearnerProcessError):
+        start_server(SMALL, ServerOptions(port=0, front_process=True), backend="cuda")
+
+
+def test_a_dead_learner_process_turns_the_front_unavailable():
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True), backend="reference")
+    try:
+        assert isinstance(front, FrontServer)
+        front._process.kill()
+        assert front.broken.wait(10)
+        channel = grpc.insecure_channel(front.target)
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        code, _ = _refusal(lambda: pb_grpc.LearnerStub(channel).TrainStep(
+            encode_batch(random_batch(np.random.default_rng(0), 4)), timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        with LearnerClient(front.target, retries=0) as client:
+            with pytest.raises(client_errors.Unavailable):
+                client.train_step(random_batch(np.random.default_rng(1), 4))
+    finally:
+        t0 = time.monotonic()
+        front.stop(0)
+        assert time.monotonic() - t0 < 10
