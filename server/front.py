@@ -108,7 +108,8 @@ class FrontServer:
         """
         o = self.options
         self._slots = slots = SlotPool(o.relay_slots, int(o.relay_slot_mb * (1 << 20)))
-        self._sock, theirs = mine, theirs = socket.socketpair()
+        mine, theirs = socket.socketpair()
+        self._sock = mine
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         uds = f"unix:{self._dir / 'learner.sock'}"
