@@ -50,6 +50,7 @@ TRAIN = ("TrainStep", "TrainStream")
 FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name
                   if name not in TRAIN)
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
+STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
 
 
 class LearnerProcessError(RuntimeError):
@@ -162,31 +163,42 @@ class FrontServer:
         saved = failure = None
         try:
             if self._process is not None and self._process.is_alive():
-                try:
-                    self._conn.send("stop")
-                    kind, saved = self._conn.recv()
-                    if kind == "checkpoint":
-                        failure = CheckpointError(*saved)
-                except (EOFError, OSError):
-                    failure = LearnerProcessError("the learner process died while stopping")
+                saved, failure = self._stop_learner()
                 self._process.join(30)
                 if self._process.is_alive():
+                    log.error("the learner process did not exit: killing it")
                     self._process.kill()
         finally:
             if self._relay is not None:
-                self._relay.close()
+                self._relay.close()   # open calls get UNAVAILABLE
             elif self._sock is not None:
                 self._sock.close()
-            if self._slots is not None:
-                self._slots.close()
             if self._channel is not None:
                 self._channel.close()
             self._server.stop(grace).wait()
+            if self._slots is not None:   # after the handlers that write into it
+                self._slots.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             log.info("stopped")
-        if isinstance(failure, CheckpointError):
+        if failure is not None:
             raise failure
         return saved
+
+    def _stop_learner(self) -> tuple[tuple[Path, int] | None, Exception | None]:
+        """Ask the learner process to drain and checkpoint: (saved, failure)."""
+        try:
+            self._conn.send("stop")
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while self._conn.poll(max(deadline - time.monotonic(), 0.0)):
+                kind, answer = self._conn.recv()   # skips a late "ready"
+                if kind == "stopped":
+                    return answer, None
+                if kind == "checkpoint":
+                    return None, CheckpointError(*answer)
+            log.error("the learner process did not stop in %g s", STOP_TIMEOUT_S)
+        except (EOFError, OSError):
+            log.error("the learner process died while stopping")
+        return None, None
 
     # ── rpcs ─────────────────────────────────────────────────────────────────────────
 
@@ -195,9 +207,13 @@ class FrontServer:
         try:
             if relay is None:
                 raise RelayClosed("the learner's backend is still starting; retry shortly")
-            return relay.open(unary=unary, deadline=_deadline(context))
+            stream = relay.open(unary=unary, deadline=_deadline(context))
         except RelayClosed as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Cancelled or past its deadline: END at once, so requests not started are not
+        # applied (the one-process server's rule) and a wait for a free slot ends.
+        context.add_callback(stream.close)
+        return stream
 
     def _train_step(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         stream = self._open(context, unary=True)
@@ -245,10 +261,11 @@ class FrontServer:
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               "the learner's backend is still starting; retry shortly")
             deadline = _deadline(context)
+            future = call.future(request, timeout=None if deadline is None else
+                                 max(deadline - time.monotonic(), 0.0))
+            context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
             try:
-                return call(
-                    request, timeout=None if deadline is None else
-                    max(deadline - time.monotonic(), 0.0))
+                return future.result()
             except grpc.RpcError as exc:
                 context.abort(exc.code(), exc.details())
         return forward
@@ -289,7 +306,10 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
         server.stop(0)
         return
     service, metrics = server.service, server.metrics
-    server.learner.backend.register_host(slots.bytes)   # cuda: uploads straight from the slots
+    try:
+        server.learner.backend.register_host(slots.bytes)   # cuda: uploads straight from it
+    except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
+        log.warning("cannot page-lock the relay's slot pool (%s); uploads are staged", exc)
 
     def handle(data: memoryview, call, unary: bool) -> bytes:
         started = time.perf_counter()

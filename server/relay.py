@@ -98,6 +98,7 @@ class FrontStream:
         self._pending = 0          # sent, not answered
         self._sending = True       # more requests may come
         self._lock = threading.Lock()
+        self._order = threading.Lock()   # no REQ frame after this stream's END
         self.closed = False
 
     def submit(self, data: bytes) -> bool:
@@ -105,12 +106,17 @@ class FrontStream:
         slot = self._relay.take_slot(self)
         if slot is None:
             return False
-        with self._lock:
-            self._pending += 1
-        try:
-            self._relay.send_request(self.sid, slot, data, self._deadline)
-        except RelayClosed:
-            self._replies.put((grpc.StatusCode.UNAVAILABLE, b"the learner process went away"))
+        with self._order:
+            if self.closed:
+                self._relay.give_back(slot)
+                return False
+            with self._lock:
+                self._pending += 1
+            try:
+                self._relay.send_request(self.sid, slot, data, self._deadline)
+            except RelayClosed:
+                self._replies.put((grpc.StatusCode.UNAVAILABLE,
+                                   b"the learner process went away"))
         return True
 
     def done_sending(self) -> None:
@@ -135,7 +141,12 @@ class FrontStream:
             yield item
 
     def close(self) -> None:
-        self.closed = True
+        """End the stream (idempotent; also the rpc's termination callback): requests not
+        yet started are not applied."""
+        with self._order:
+            if self.closed:
+                return
+            self.closed = True
         self._relay.end(self)
 
 
@@ -162,7 +173,11 @@ class RelayFront:
             sid = next(self._ids)
         stream = FrontStream(self, sid, deadline)
         self._streams[sid] = stream
-        self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
+        try:
+            self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
+        except RelayClosed:
+            self._streams.pop(sid, None)
+            raise
         return stream
 
     def take_slot(self, stream: FrontStream) -> int | None:
@@ -173,6 +188,9 @@ class RelayFront:
             except queue.Empty:
                 continue
         return None
+
+    def give_back(self, slot: int) -> None:
+        self._free.put(slot)
 
     def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
         if len(data) <= self.slots.size:
@@ -287,14 +305,19 @@ class RelayLearner:
         try:
             while True:
                 op, sid, slot, n, deadline = _FRAME.unpack(_recv_exact(rfile, _FRAME.size))
-                if op == OPEN:
-                    self._open(sid, unary=bool(slot))
-                elif op == REQ:
+                data = None
+                if op == REQ:
                     data = (self.slots.slot(slot, n) if slot >= 0
                             else memoryview(_recv_exact(rfile, n)))
-                    self._enqueue(sid, (slot, data, deadline))
-                elif op == END:
-                    self._end(sid)
+                try:
+                    if op == OPEN:
+                        self._open(sid, unary=bool(slot))
+                    elif op == REQ:
+                        self._enqueue(sid, (slot, data, deadline))
+                    elif op == END:
+                        self._end(sid)
+                except Exception:  # noqa: BLE001 — one bad frame must not end the relay
+                    log.exception("relay frame %d of stream %d failed", op, sid)
         except (RelayClosed, OSError, struct.error) as exc:
             log.info("relay closed: %s", exc)
         finally:
@@ -317,16 +340,23 @@ class RelayLearner:
 
     def _enqueue(self, sid: int, item) -> None:
         with self._lock:
-            stream = self._streams[sid]
-            stream.queue.append(item)
-            if stream.running:
-                return
-            stream.running = True
+            stream = self._streams.get(sid)
+            if stream is not None:
+                stream.queue.append(item)
+                if stream.running:
+                    return
+                stream.running = True
+        if stream is None:   # not open (a front bug): answer, so its slot comes back
+            self._reply(_LearnerStream(sid, False), item[0], grpc.StatusCode.CANCELLED,
+                        b"unknown stream; not applied")
+            return
         self._pool.submit(self._drain, stream)
 
     def _end(self, sid: int) -> None:
         with self._lock:
-            stream = self._streams[sid]
+            stream = self._streams.get(sid)
+            if stream is None:
+                return
             stream.ended = True
             if stream.running:
                 return

@@ -224,3 +224,41 @@ def test_a_dead_learner_process_turns_the_front_unavailable():
         t0 = time.monotonic()
         front.stop(0)
         assert time.monotonic() - t0 < 10
+
+
+def test_failing_cancelled_and_expired_streams_leave_it_serving():
+    """A stream that fails mid-way, or whose deadline passes or whose client cancels while
+    later requests are still arriving, ends alone: the learner process keeps serving, and
+    nothing is applied after the failure or after the call ended."""
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True), backend="reference")
+    try:
+        stub = _stub(front.target)
+        rng = np.random.default_rng(6)
+        good = encode_batch(random_batch(rng, 4))
+        bad = encode_batch(random_batch(rng, 4))
+        bad.dones.CopyFrom(encode_batch(random_batch(rng, 4)).rewards)   # not 0/1
+
+        def requests(first=()):
+            yield from first
+            for _ in range(20000):
+                yield good
+        for _ in range(3):
+            before = stub.GetInfo(pb.GetInfoRequest()).step
+            code, _ = _refusal(lambda: list(stub.TrainStream(requests((good, bad)),
+                                                             timeout=10)))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert stub.GetInfo(pb.GetInfoRequest()).step == before + 1  # none after bad
+        for _ in range(5):
+            code, _ = _refusal(lambda: list(stub.TrainStream(requests(), timeout=0.3)))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            call = stub.TrainStream(requests())
+            next(call)
+            call.cancel()
+        time.sleep(0.5)
+        settled = stub.GetInfo(pb.GetInfoRequest()).step
+        time.sleep(0.3)
+        assert stub.GetInfo(pb.GetInfoRequest()).step == settled   # nothing left running
+        assert not front.broken.is_set()
+        assert stub.TrainStep(good, timeout=10).step == settled + 1
+    finally:
+        front.stop(0)
