@@ -128,10 +128,11 @@ class FrontStream:
         self._replies.put((code, payload))
 
     def replies(self) -> Iterator[tuple[grpc.StatusCode, bytes]]:
-        """(code, payload) per request, in order; ends when no more can come."""
+        """(code, payload) per request, in order; ends when no more can come, or when the
+        stream is closed (its replies then only give their slots back)."""
         while True:
             with self._lock:
-                if not self._sending and self._pending == 0:
+                if self.closed or (not self._sending and self._pending == 0):
                     return
             item = self._replies.get()
             if item is None:
@@ -147,6 +148,7 @@ class FrontStream:
             if self.closed:
                 return
             self.closed = True
+        self._replies.put(None)   # wakes replies(), which then ends
         self._relay.end(self)
 
 

@@ -229,8 +229,10 @@ def test_a_dead_learner_process_turns_the_front_unavailable():
 def test_failing_cancelled_and_expired_streams_leave_it_serving():
     """A stream that fails mid-way, or whose deadline passes or whose client cancels while
     later requests are still arriving, ends alone: the learner process keeps serving, and
-    nothing is applied after the failure or after the call ended."""
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True), backend="reference")
+    nothing is applied after the failure or after the call ended, and no handler thread
+    is left waiting (with max_rpcs 3, a leaked one per stream would soon refuse calls)."""
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True, max_streams=2,
+                                              max_rpcs=3), backend="reference")
     try:
         stub = _stub(front.target)
         rng = np.random.default_rng(6)
