@@ -34,7 +34,7 @@ from .demo import run_demo
 from .gym_demo import env_config
 from .errors import InvalidArgument
 from .learner import BACKENDS
-from .server import LearnerServer, ServerOptions
+from .server import ServerOptions, make_server
 
 log = logging.getLogger("duelq")
 
@@ -281,11 +281,7 @@ def serve(args: argparse.Namespace) -> int:
     NOT_SERVING, drain, final checkpoint, exit 0."""
     config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
     try:
-        if options.front_process:
-            from .front import FrontServer
-            server = FrontServer(options)
-        else:
-            server = LearnerServer(options)
+        server = make_server(options)
     except InvalidArgument as exc:  # an unreadable or empty --token-file
         raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
     try:

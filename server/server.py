@@ -42,7 +42,7 @@ from .idempotency import ReplayGuard
 from .learner import Learner
 from .metrics import Metrics
 from .service import REPLAY_KINDS, LearnerService, Limits
-from .wire import train_request_deserializer
+from .wire import train_request_deserializer, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,7 @@ class DecodeGuard(grpc.ServerInterceptor):
             try:
                 return parse(data)
             except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
-                return _Undecodable(f"cannot parse as the {name} request message "
-                                    f"({type(exc).__name__}: {exc})")
+                return _Undecodable(undecodable(name, exc))
 
         def checked(requests):
             for request in requests:
@@ -443,17 +442,23 @@ class LearnerServer:
         return saved
 
 
+def make_server(options: ServerOptions, *,
+                interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
+    """A :class:`LearnerServer`, or a :class:`~duelq.server.front.FrontServer` with
+    ``front_process``; not started."""
+    if not options.front_process:
+        return LearnerServer(options, interceptors=interceptors)
+    from .front import FrontServer
+    if interceptors:
+        raise ValueError("interceptors are not supported with front_process")
+    return FrontServer(options)
+
+
 def start_server(config: LearnerConfig, options: ServerOptions, *, backend: str = "auto",
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
     """Start a server (a :class:`~duelq.server.front.FrontServer` with ``front_process``),
     build (or resume) the learner on ``backend``; SERVING on return."""
-    if options.front_process:
-        from .front import FrontServer
-        if interceptors:
-            raise ValueError("interceptors are not supported with front_process")
-        server = FrontServer(options)
-    else:
-        server = LearnerServer(options, interceptors=interceptors)
+    server = make_server(options, interceptors=interceptors)
     server.start()
     try:
         server.serve_learner(config, backend=backend)

@@ -45,8 +45,8 @@ from .checkpoint import CheckpointError, CheckpointWriter
 from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, StepResult
-from .wire import parse_train_request
 from .state import LearnerState
+from .wire import train_request_deserializer, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -292,14 +292,11 @@ class LearnerService(pb_grpc.LearnerServicer):
         """A relayed TrainStep/TrainStream request's bytes (server/relay.py) → its answer.
 
         Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
-        request = parse_train_request(data)
-        if request is None:
-            try:
-                request = pb.TrainRequest.FromString(bytes(data))
-            except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
-                name = "TrainStep" if unary else "TrainStream"
-                raise InvalidArgument("request", f"cannot parse as the {name} request message "
-                                      f"({type(exc).__name__}: {exc})") from None
+        try:
+            request = train_request_deserializer(data)
+        except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
+            raise InvalidArgument("request", undecodable("TrainStep" if unary else "TrainStream",
+                                                         exc)) from None
         return self._train(request, call)
 
     def open_stream(self) -> None:

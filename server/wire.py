@@ -124,8 +124,7 @@ def parse_train_request(data) -> WireTrainRequest | None:
     if type(data) is memoryview:
         if data.ndim != 1 or data.itemsize != 1:
             return None
-        view = data.cast("B") if data.format != "B" else data
-        data = view
+        data = view = data.cast("B")
     elif type(data) is bytes:
         view = memoryview(data)
     else:
@@ -157,8 +156,13 @@ def parse_train_request(data) -> WireTrainRequest | None:
     return WireTrainRequest(present)
 
 
-def train_request_deserializer(data: bytes):
+def train_request_deserializer(data: bytes | memoryview):
     """gRPC's request deserializer for TrainStep and TrainStream: the zero-copy parse of the
     canonical form, else protobuf's (whose errors the server answers INVALID_ARGUMENT)."""
     parsed = parse_train_request(data)
-    return parsed if parsed is not None else pb.TrainRequest.FromString(data)
+    return parsed if parsed is not None else pb.TrainRequest.FromString(bytes(data))
+
+
+def undecodable(method: str, exc: Exception) -> str:
+    """What the server says of request bytes that do not parse as ``method``'s message."""
+    return f"cannot parse as the {method} request message ({type(exc).__name__}: {exc})"
