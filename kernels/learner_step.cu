@@ -24,8 +24,10 @@
 //   has_weights)
 // Packed outputs: td_errors [B] | priorities [B] | entropy | per block g < G:
 //   finite[g] (1.0 = finite) | grad_norm[g] (of its slice) | loss_sum[g] | q_sum[g] |
-//   features_ok[g] (1.0 = every h_t and h_tp1 value of its rows is finite: the host skips
-//   that pass over the batch and looks for the culprit only when a block says 0.0)
+//   inputs_ok[g] (1.0 = every input value of its rows is valid: h_t, h_tp1 and rewards
+//   finite, actions in [0, N), dones 0 or 1, discounts in [0, 1], weights finite and ≥ 0.
+//   The host skips those passes over the batch and looks for the culprit only when a block
+//   says 0.0; an action out of range is read as 0 meanwhile, so no index leaves its array)
 
 #include "dueling_common.cuh"
 
@@ -192,6 +194,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     vec_t fetch_t[FETCH_PER_THREAD], fetch_n[FETCH_PER_THREAD];  // the next tile, in flight
     float fetch_f[4];  // thread r < ROW_TILE: reward, done, discount, weight of row r
     int fetch_act = 0;
+    bool inputs_ok = true;  // every input value this thread fetched is valid (DESIGN §6)
     auto fetch = [&](int row0) {
         fetch_rows<FEATURES>(fetch_t, h_t, row0, row_end);
         fetch_rows<FEATURES>(fetch_n, h_tp1, row0, row_end);
@@ -201,6 +204,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
             fetch_act = ok ? actions[b] : 0;
             for (int k = 0; k < 3; ++k) fetch_f[k] = ok ? rewards[k * B + b] : 0.f;
             fetch_f[3] = ok && a.has_weights ? rewards[3 * B + b] : 1.f;
+            // The host leaves these checks to us; NaN fails every comparison below.
+            const float done = fetch_f[1], disc = fetch_f[2], w = fetch_f[3];
+            const bool valid = fetch_act >= 0 && fetch_act < N_ACTIONS && isfinite(fetch_f[0])
+                               && (done == 0.f || done == 1.f) && disc >= 0.f && disc <= 1.f
+                               && w >= 0.f && isfinite(w);
+            inputs_ok = inputs_ok && valid;
+            if (!valid) fetch_act = 0;  // an index in range: the step is refused anyway
         }
     };
     fetch(row_begin);
@@ -261,14 +271,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
 #endif
     tagged_t* my_part = a.part_grad + (size_t)blk * PARAM_STRIDE;
     double loss_w = 0.0, q_w = 0.0;  // this lane's rows (first lane of each row group)
-    bool features_ok = true;          // every feature value this thread fetched is finite
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int row0 = row_begin + tile * ROW_TILE;
         const int rows = max(0, min(ROW_TILE, row_end - row0));
         stash_rows(fetch_t, ht);
         stash_rows(fetch_n, hn);
-        features_ok = features_ok && all_finite(fetch_t) && all_finite(fetch_n);
+        inputs_ok = inputs_ok && all_finite(fetch_t) && all_finite(fetch_n);
         if (tid < ROW_TILE) {
             for (int k = 0; k < 4; ++k) row_f[tid * 4 + k] = fetch_f[k];
             row_act[tid] = fetch_act;
@@ -415,7 +424,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
         warp_stats[warp][0] = loss_w;
         warp_stats[warp][1] = q_w;
     }
-    features_ok = __syncthreads_and(features_ok);
+    inputs_ok = __syncthreads_and(inputs_ok);
     if (tid == 0) {
         double loss = 0.0, qsum = 0.0;
         for (int w = 0; w < THREADS / 32; ++w) {
@@ -424,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
         }
         head[1 + 2 * G + blk] = (float)loss;
         head[1 + 3 * G + blk] = (float)qsum;
-        head[1 + 4 * G + blk] = features_ok ? 1.f : 0.f;
+        head[1 + 4 * G + blk] = inputs_ok ? 1.f : 0.f;
     }
 
     // ---- Phase 2: this block's parameter slice ------------------------------------

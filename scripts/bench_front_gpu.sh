@@ -28,7 +28,37 @@ for port in 50061 50062; do
     for _ in $(seq 120); do duelq health --target 127.0.0.1:$port >/dev/null && break; sleep 1; done
     duelq health --target 127.0.0.1:$port || { tail -20 "$DEST"/*.log; exit 1; }
 done
+# CPU seconds of the front and learner processes and the learner's step count, as JSON.
+probe() {
+    "$PY" - "$(pgrep -f 'front-process --port 50061' | head -1)" <<'PROBE'
+import json, os, sys
+from duelq.client import LearnerClient
+front = int(sys.argv[1])   # the front's python, not the shell function's subshell
+tick = os.sysconf("SC_CLK_TCK")
+def cpu(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick      # utime + stime
+children = open(f"/proc/{front}/task/{front}/children").read().split()
+learner = [p for p in children if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()][0]
+with LearnerClient("127.0.0.1:50061") as client:
+    step = client.info().step
+print(json.dumps({"front_cpu_s": cpu(front), "learner_cpu_s": cpu(learner), "step": step}))
+PROBE
+}
 status=0
+before=$(probe)
+duelq bench --target 127.0.0.1:50061 --batch-sizes 1024 --wire-dtypes float32 --scaling-actors "" \
+    --no-experiments --no-device-step --duration 3 --out "$DEST/front-cpu" || status=1
+after=$(probe)
+"$PY" - "$before" "$after" <<'REPORT' | tee "$DEST/front-cpu.txt"
+import json, sys
+a, b = (json.loads(x) for x in sys.argv[1:3])
+steps = b["step"] - a["step"]
+for name in ("front", "learner"):
+    used = b[f"{name}_cpu_s"] - a[f"{name}_cpu_s"]
+    print(f"{name} process: {1e6 * used / max(steps, 1):.0f} µs of CPU per step "
+          f"({used:.2f} s over {steps} steps: B = 1024 float32, stream and unary cells)")
+REPORT
 duelq bench --target 127.0.0.1:50061 --batch-sizes 1024,4096 --scaling-actors "" \
     --no-experiments --no-device-step --out "$DEST/front" "$@" || status=1
 duelq bench --target 127.0.0.1:50062 --batch-sizes 1024 --wire-dtypes float32 \

@@ -31,7 +31,7 @@ class StepOutputs:
     grad_norm: float          # global L2 norm of the gradient before clipping
     finite: bool              # TD errors, gradients and every new tensor are finite
     entropy: float | None     # the batch's action entropy when step_entropy_slot is set
-    features_finite: bool = True  # every h_t, h_tp1 value is finite (see checks_features)
+    inputs_valid: bool = True  # every input value passes DESIGN §6 (see checks_values)
 
 
 class Upload(abc.ABC):
@@ -47,9 +47,9 @@ class Backend(abc.ABC):
 
     name: str    # "reference" | "cuda"
     device: str  # human-readable device name
-    checks_features = False
-    """True: propose reports whether the features are all finite (StepOutputs.features_finite)
-    while it reads them, so validation skips that pass over the batch on the host."""
+    checks_values = False
+    """True: propose checks every input value as it reads it (StepOutputs.inputs_valid), so
+    validation on the host checks only dtypes and shapes (``validate_batch(check_values=False)``)."""
     feature_dtypes: tuple[np.dtype, ...] = ()
     """16-bit feature dtypes propose takes as they are (widening them itself); others are
     widened to float32 on the host first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -12,6 +13,18 @@ from .errors import InvalidArgument, ResourceExhausted
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
+
+
+@dataclass(frozen=True)
+class HostSpan:
+    """Where a batch's arrays lie: each is a view of the host bytes [address, address +
+    nbytes) (a request read in place from the front process's slot pool), so a device
+    backend may copy those bytes at once and unpack them on the device."""
+
+    address: int                # host address of the first byte
+    nbytes: int                 # bytes from there that hold every array
+    offsets: tuple[int, ...]    # byte offsets of h_t, h_tp1, actions, rewards, dones,
+                                # discounts and (if present) weights
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,12 @@ class Batch:
     dones: np.ndarray      # [B] float32 0/1
     discounts: np.ndarray  # [B] float32 γⁿ in [0, 1]
     weights: np.ndarray | None = None  # [B] float32 ≥ 0, importance-sampling weights
+    span: HostSpan | None = None       # where the arrays' bytes lie, when known
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays in the packed input order (weights last, when present)."""
+        head = (self.h_t, self.h_tp1, self.actions, self.rewards, self.dones, self.discounts)
+        return head if self.weights is None else head + (self.weights,)
 
     @property
     def size(self) -> int:
@@ -49,8 +68,9 @@ def _finite(name: str, a: np.ndarray) -> None:
 
 
 def validate_actions(actions, n_actions: int, name: str = "actions",
-                     max_len: int | None = None) -> np.ndarray:
-    """Check a 1-D integer actions buffer; return it as int32."""
+                     max_len: int | None = None, *, check_range: bool = True) -> np.ndarray:
+    """Check a 1-D integer actions buffer; return it as int32.  ``check_range=False`` leaves
+    the range to the caller, except for integers wider than int32 (the cast could wrap)."""
     a = _array(name, actions)
     if a.ndim != 1:
         raise InvalidArgument(name, f"must be 1-D, got shape {a.shape}")
@@ -60,6 +80,8 @@ def validate_actions(actions, n_actions: int, name: str = "actions",
         raise ResourceExhausted(f"{name}: length {a.shape[0]} exceeds the limit {max_len}")
     if a.dtype.kind not in "iu":
         raise InvalidArgument(name, f"must have an integer dtype, got {a.dtype}")
+    if not check_range and np.can_cast(a.dtype, np.int32):
+        return a.astype(np.int32, copy=False)
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= n_actions:
         bad = int(np.flatnonzero((a < 0) | (a >= n_actions))[0])
@@ -88,32 +110,30 @@ def validate_features(h, hidden_dim: int, name: str, rows: int | None = None, *,
     return a
 
 
-def check_features_finite(batch: Batch) -> None:
-    """Raise InvalidArgument naming the first non-finite feature value of ``batch``."""
-    _finite("h_t", batch.h_t)
-    _finite("h_tp1", batch.h_tp1)
-
-
 def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
-                   finite_features: bool = True, keep: tuple = ()) -> Batch:
+                   check_values: bool = True, keep: tuple = ()) -> Batch:
     """Check every field of ``batch`` (DESIGN §6); return a float32/int32 copy-free view.
 
     Raises InvalidArgument naming the first bad field, or ResourceExhausted when
-    B exceeds ``max_batch_size``.  ``finite_features=False`` leaves the finiteness of
-    h_t and h_tp1 to the caller (a backend that checks it on the device).  Features
-    whose dtype is in ``keep`` stay in it when both have the same one (a backend that
-    widens them itself); otherwise they are widened to float32.
+    B exceeds ``max_batch_size``.  ``check_values=False`` checks dtypes and shapes only
+    and leaves the values (features and rewards finite, actions in range, dones 0/1,
+    discounts in [0, 1], weights finite and ≥ 0) to a backend that checks them on the
+    device as it reads them (:attr:`Backend.checks_values`); the learner calls this again
+    with the checks on to name the culprit when the backend finds one.  Features whose
+    dtype is in ``keep`` stay in it when both have the same one (a backend that widens them
+    itself); otherwise they are widened to float32.
     """
     if not isinstance(batch, Batch):
         raise InvalidArgument("batch", f"must be a Batch, got {type(batch).__name__}")
-    actions = validate_actions(batch.actions, config.n_actions, max_len=max_batch_size)
+    actions = validate_actions(batch.actions, config.n_actions, max_len=max_batch_size,
+                               check_range=check_values)
     B = actions.shape[0]
     if getattr(batch.h_t, "dtype", None) != getattr(batch.h_tp1, "dtype", None):
         keep = ()  # one dtype per batch on the device: mixed ones are widened
     h_t = validate_features(batch.h_t, config.hidden_dim, "h_t", rows=B,
-                            finite=finite_features, keep=keep)
+                            finite=check_values, keep=keep)
     h_tp1 = validate_features(batch.h_tp1, config.hidden_dim, "h_tp1", rows=B,
-                              finite=finite_features, keep=keep)
+                              finite=check_values, keep=keep)
 
     def vector(name: str, value) -> np.ndarray:
         a = _array(name, value)
@@ -123,23 +143,26 @@ def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
         if a.shape != (B,):
             raise InvalidArgument(name, f"shape must be [{B}], got {list(a.shape)}")
         a = a.astype(np.float32, copy=False)
-        _finite(name, a)
+        if check_values:
+            _finite(name, a)
         return a
+
+    def first(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> None:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgument(name, f"{rule}; element {i} is {a[i]}")
 
     rewards = vector("rewards", batch.rewards)
     dones = vector("dones", batch.dones)
-    binary = (dones == 0) | (dones == 1)  # what np.isin(dones, (0, 1)) says, 3× faster
-    if not binary.all():
-        bad = int(np.flatnonzero(~binary)[0])
-        raise InvalidArgument("dones", f"must be 0 or 1; element {bad} is {dones[bad]}")
+    if check_values:
+        first("dones", dones, (dones != 0) & (dones != 1), "must be 0 or 1")
     discounts = vector("discounts", batch.discounts)
-    if discounts.min() < 0 or discounts.max() > 1:  # finite (checked above): no NaN to miss
-        bad = int(np.flatnonzero((discounts < 0) | (discounts > 1))[0])
-        raise InvalidArgument("discounts", f"must be in [0, 1]; element {bad} is {discounts[bad]}")
-    weights = None
-    if batch.weights is not None:
-        weights = vector("weights", batch.weights)
-        if weights.min() < 0:
-            bad = int(np.flatnonzero(weights < 0)[0])
-            raise InvalidArgument("weights", f"must be ≥ 0; element {bad} is {weights[bad]}")
-    return Batch(h_t, h_tp1, actions, rewards, dones, discounts, weights)
+    if check_values:  # finite (checked above): no NaN to miss
+        first("discounts", discounts, (discounts < 0) | (discounts > 1), "must be in [0, 1]")
+    weights = None if batch.weights is None else vector("weights", batch.weights)
+    if check_values and weights is not None:
+        first("weights", weights, weights < 0, "must be ≥ 0")
+    checked = Batch(h_t, h_tp1, actions, rewards, dones, discounts, weights)
+    if batch.span is None or any(a is not b for a, b in zip(checked.arrays(), batch.arrays())):
+        return checked
+    return dataclasses.replace(checked, span=batch.span)  # no array was converted

@@ -10,7 +10,7 @@ launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
 ``kernels/learner_step.cu``); it then adds the G per-block loss, Q and norm partials in
 block order.  Blocks hand each other partials as words tagged with the launch's epoch
 (``kernels/dueling_common.cuh``); the host numbers the launches.  The kernel also reports
-whether every feature value was finite, so the host skips that pass over the batch.
+whether every input value was valid (DESIGN §6), so the host checks only dtypes and shapes.
 :meth:`CudaBackend.upload` packs a batch into one of a few pinned slots and starts its
 copy on a second stream before the step's turn; the step then waits for that copy on the
 device instead of making it.  ``learner_step`` is compiled per feature dtype and at two
@@ -88,6 +88,14 @@ class StepArgs(ctypes.Structure):
         "tau", "ent_alpha", "ent_keep")]
 
 
+class UnpackArgs(ctypes.Structure):
+    """Mirror of ``struct UnpackArgs`` in kernels/unpack_batch.cu."""
+
+    _fields_ = [("src", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("src_offset", ctypes.c_longlong * 7), ("start", ctypes.c_longlong * 8),
+                ("segments", ctypes.c_int)]
+
+
 @dataclass(frozen=True)
 class StepKernel:
     """One compiled shape of learner_step."""
@@ -114,12 +122,18 @@ class _Staging:
         self.device = cp.empty(0, np.float32)
 
     def reserve(self, words: int) -> np.ndarray:
-        """The first ``words`` floats of the host buffer."""
+        """The first ``words`` floats of the host buffer (both buffers grown to hold them)."""
         if words > self.host.size:
-            size = 1 << max(10, (words - 1).bit_length())
+            size = _grown(words)
             self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), np.float32, size)
-            self.device = cp.empty(size, np.float32)
+        self.reserve_device(words)
         return self.host[:words]
+
+    def reserve_device(self, words: int) -> cp.ndarray:
+        """The device buffer, grown to hold ``words`` floats (the host one left as it is)."""
+        if words > self.device.size:
+            self.device = cp.empty(_grown(words), np.float32)
+        return self.device
 
     def upload(self, words: int, stream: cp.cuda.Stream) -> None:
         cp.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, 4 * words,
@@ -128,21 +142,6 @@ class _Staging:
     def download(self, words: int, stream: cp.cuda.Stream) -> None:
         cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.device.data.ptr, 4 * words,
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-
-    def copy_in(self, batch: Batch, stream: cp.cuda.Stream) -> None:
-        """Copy ``batch``, whose arrays lie in page-locked host memory, into the device
-        buffer in :meth:`pack`'s layout: one H2D copy per array, nothing packed on the host."""
-        B, H = batch.size, batch.h_t.shape[1]
-        feature_bytes = 2 * B * H * batch.h_t.dtype.itemsize
-        self.reserve(feature_bytes // 4 + 5 * B)
-        base = self.device.data.ptr
-        for offset, a in ((0, batch.h_t), (feature_bytes // 2, batch.h_tp1),
-                          *((feature_bytes + 4 * B * i, column) for i, column in enumerate(
-                              (batch.actions, batch.rewards, batch.dones, batch.discounts,
-                               batch.weights)))):
-            if a is not None:
-                cp.cuda.runtime.memcpyAsync(base + offset, a.ctypes.data, a.nbytes,
-                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
     def pack(self, batch: Batch) -> int:
         """Write ``batch`` in the kernel's packed input layout (features in their own dtype,
@@ -163,24 +162,35 @@ class _Staging:
         return words
 
 
+def _grown(words: int) -> int:
+    """A buffer size for ``words``: the next power of two, at least 1024."""
+    return 1 << max(10, (words - 1).bit_length())
+
+
 class _Slot:
-    """A pinned staging buffer for uploads and the event of its last H2D copy."""
+    """A pinned staging buffer for uploads, a device buffer for a request's bytes (a batch
+    with a span), and the event of the slot's last upload."""
 
     def __init__(self):
         self.staging = _Staging()
+        self.message = cp.empty(0, np.uint32)
         self.copied = cp.cuda.Event(disable_timing=True)
 
 
 class _Uploaded(Upload):
-    """One batch in a slot, waiting for its step; closing returns the slot."""
+    """One batch in a slot, waiting for its step; closing returns the slot.  Closed unused,
+    it first waits for its copy, which may still be reading the batch's host bytes."""
 
     def __init__(self, slot: _Slot, free: "queue.SimpleQueue[_Slot]"):
         self.slot: _Slot | None = slot
+        self.stepped = False   # a step waited for the copy
         self._free = free
 
     def close(self) -> None:
         slot, self.slot = self.slot, None
         if slot is not None:
+            if not self.stepped:
+                slot.copied.synchronize()
             self._free.put(slot)
 
 
@@ -192,7 +202,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
-    checks_features = True
+    checks_values = True
     feature_dtypes = (np.dtype(np.float16), BFLOAT16)
 
     def __init__(self, config: LearnerConfig, state: LearnerState, *,
@@ -232,6 +242,7 @@ class CudaBackend(Backend):
         self._step = 0
         self._entropy_slot = (config.isv_slots[config.step_entropy_slot]
                               if config.step_entropy_slot else -1)
+        self._args = [self._fixed_args(cur) for cur in (0, 1)]
         self.load(state)
 
     def _compile(self, row_tile: int | None, max_smem: int) -> None:
@@ -271,6 +282,8 @@ class CudaBackend(Backend):
                            k.smem) for k in steps]
         entropy = cp.RawModule(code=kernel_source("action_entropy.cu"), options=sizes)
         self._ent_fn = entropy.get_function("action_entropy")
+        self._unpack_fn = cp.RawModule(code=kernel_source("unpack_batch.cu")).get_function(
+            "unpack_batch")
         self._ent_threads, self._ent_block_actions, max_blocks = (
             int(x) for x in cp.ndarray(3, np.uint32, entropy.get_global("entropy_layout")).get())
         self._ent_max_blocks = min(max_blocks, self.max_blocks)
@@ -349,9 +362,10 @@ class CudaBackend(Backend):
         self._inputs.upload(self._inputs.pack(batch), self.stream)
 
     def register_host(self, region: np.ndarray) -> None:
-        """Page-lock ``region`` (cudaHostRegister): batches whose arrays all lie in it are
-        then uploaded straight from it, with no pack into a staging buffer.  The caller
-        keeps such a batch's bytes unchanged until its step has returned."""
+        """Page-lock ``region`` (cudaHostRegister): a batch whose span (``Batch.span``) lies
+        in it is then uploaded with one copy of its bytes, unpacked on the device, with no
+        pack into a staging buffer.  The caller keeps such a batch's bytes unchanged until
+        its step has returned."""
         if region.nbytes:
             cp.cuda.runtime.hostRegister(region.ctypes.data, region.nbytes, 0)
             self._registered.append((region.ctypes.data, region.ctypes.data + region.nbytes))
@@ -363,16 +377,32 @@ class CudaBackend(Backend):
             self._registered.remove(span)
             cp.cuda.runtime.hostUnregister(span[0])
 
-    def _in_registered(self, batch: Batch) -> bool:
-        def inside(a: np.ndarray | None) -> bool:
-            if a is None:
-                return True
-            start = a.ctypes.data
-            return a.flags.c_contiguous and any(lo <= start and start + a.nbytes <= hi
-                                                for lo, hi in self._registered)
-        return bool(self._registered) and all(inside(a) for a in (
-            batch.h_t, batch.h_tp1, batch.actions, batch.rewards, batch.dones,
-            batch.discounts, batch.weights))
+    def _unpackable(self, batch: Batch) -> bool:
+        """Whether ``batch`` has a span in page-locked memory whose features end on a word."""
+        span = batch.span
+        return span is not None and batch.h_t.nbytes % 4 == 0 and any(
+            lo <= span.address and span.address + span.nbytes <= hi for lo, hi in self._registered)
+
+    def _unpack(self, batch: Batch, slot: _Slot) -> None:
+        """Copy ``batch``'s span to the device as it is and unpack it into the slot's staging
+        buffer in :meth:`_Staging.pack`'s layout (kernels/unpack_batch.cu)."""
+        span = batch.span
+        if span.nbytes + 4 > 4 * slot.message.size:    # 4 readable bytes past the message
+            slot.message = cp.empty(_grown(span.nbytes // 4 + 2), np.uint32)
+        rt = cp.cuda.runtime
+        rt.memcpyAsync(slot.message.data.ptr, span.address, span.nbytes,
+                       rt.memcpyHostToDevice, self._upload_stream.ptr)
+        args = UnpackArgs(src=slot.message.data.ptr, segments=len(span.offsets))
+        word = 0
+        for i, (offset, array) in enumerate(zip(span.offsets, batch.arrays())):
+            args.src_offset[i], args.start[i] = offset, word
+            word += array.nbytes // 4
+        args.start[len(span.offsets)] = word
+        args.out = slot.staging.reserve_device(word).data.ptr
+        blocks = max(1, min(-(-word // (4 * THREADS)), 4 * self.max_blocks))
+        params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        driver.launchKernel(self._unpack_fn.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
+                            self._upload_stream.ptr, ctypes.addressof(params), 0)
 
     def upload(self, batch: Batch) -> Upload | None:
         B, H = batch.size, self.config.hidden_dim
@@ -383,8 +413,8 @@ class CudaBackend(Backend):
         except queue.Empty:
             return None
         try:
-            if self._in_registered(batch):
-                slot.staging.copy_in(batch, self._upload_stream)
+            if self._unpackable(batch):
+                self._unpack(batch, slot)
             else:
                 slot.copied.synchronize()  # its previous copy out of the host buffer is done
                 slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
@@ -394,6 +424,24 @@ class CudaBackend(Backend):
             raise
         return _Uploaded(slot, self._free_uploads)
 
+    def _fixed_args(self, cur: int) -> StepArgs:
+        """The launch arguments that change from step to step only through the current state
+        copy ``cur``; :meth:`launch` fills in the rest."""
+        c = self.config
+        now, nxt = self._slots[cur], self._slots[1 - cur]
+        return StepArgs(
+            state=now.params.data.ptr, next=nxt.params.data.ptr,
+            isv=now.isv.data.ptr, isv_next=nxt.isv.data.ptr,
+            observed=now.observed.data.ptr, observed_next=nxt.observed.data.ptr,
+            part_grad=self._part_grad.data.ptr, part_sq=self._part_sq.data.ptr,
+            part_counts=self._part_counts.data.ptr, grad=self._grad.data.ptr,
+            arrivals=self._arrivals.data.ptr, max_norm=c.max_grad_norm,
+            double_dqn=c.double_dqn, adam=c.optimizer == "adam",
+            isv_size=c.isv_size, entropy_slot=self._entropy_slot,
+            kappa=c.huber_kappa, priority_eps=c.priority_eps, lr=c.lr,
+            beta1=c.beta1, beta2=c.beta2, adam_eps=c.adam_eps,
+            tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
+
     def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None,
                kind: int = 0) -> None:
         """Enqueue the step kernel for features of ``kind`` on staged ``inputs`` (default:
@@ -401,26 +449,14 @@ class CudaBackend(Backend):
         c = self.config
         t = self._step + 1
         G, R = self.grid(batch_size)
-        cur, nxt = self._slots[self._cur], self._slots[1 - self._cur]
-        args = StepArgs(
-            state=cur.params.data.ptr, next=nxt.params.data.ptr,
-            isv=cur.isv.data.ptr, isv_next=nxt.isv.data.ptr,
-            observed=cur.observed.data.ptr, observed_next=nxt.observed.data.ptr,
-            inputs=(self._inputs.device if inputs is None else inputs).data.ptr,
-            out=self._outputs.device.data.ptr,
-            part_grad=self._part_grad.data.ptr, part_sq=self._part_sq.data.ptr,
-            part_counts=self._part_counts.data.ptr, grad=self._grad.data.ptr,
-            arrivals=self._arrivals.data.ptr,
-            max_norm=c.max_grad_norm, epoch=self._next_epoch(),
-            batch=batch_size, rows_per_block=R, has_weights=has_weights,
-            double_dqn=c.double_dqn, adam=c.optimizer == "adam",
-            update_target=t % c.target_update_period == 0,
-            isv_size=c.isv_size, entropy_slot=self._entropy_slot,
-            kappa=c.huber_kappa, priority_eps=c.priority_eps, lr=c.lr,
-            beta1=c.beta1, beta2=c.beta2, adam_eps=c.adam_eps,
-            step_size=np.float32(c.lr / (1 - c.beta1 ** t)),
-            sqrt_bc2=np.float32(np.sqrt(1 - c.beta2 ** t)),
-            tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
+        args = StepArgs.from_buffer_copy(self._args[self._cur])
+        args.inputs = (self._inputs.device if inputs is None else inputs).data.ptr
+        args.out = self._outputs.device.data.ptr
+        args.epoch = self._next_epoch()
+        args.batch, args.rows_per_block, args.has_weights = batch_size, R, has_weights
+        args.update_target = t % c.target_update_period == 0
+        args.step_size = np.float32(c.lr / (1 - c.beta1 ** t))
+        args.sqrt_bc2 = np.float32(math.sqrt(1 - c.beta2 ** t))
         kernel = self.step_kernel(batch_size, kind)
         self._launch_cooperative(kernel.fn, G, THREADS, kernel.smem, args)
 
@@ -464,11 +500,12 @@ class CudaBackend(Backend):
         finally:
             self.stream.synchronize()  # nothing reads the upload slot once it is given back
             if upload is not None:
+                upload.stepped = slot is not None
                 upload.close()
         out = self._outputs.host
         # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums,
-        # features finite.
-        finite, norms, losses, q_sums, features = (
+        # inputs valid.
+        finite, norms, losses, q_sums, inputs = (
             out[2 * B + 1:words].astype(np.float64).reshape(5, G))
         loss, q_mean = float(losses.sum() / B), float(q_sums.sum() / B)
         self._pending = True
@@ -478,7 +515,7 @@ class CudaBackend(Backend):
             grad_norm=float(np.sqrt(np.square(norms).sum())),
             finite=bool(np.all(finite == 1.0)) and math.isfinite(loss) and math.isfinite(q_mean),
             entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
-            features_finite=bool(np.all(features == 1.0)))
+            inputs_valid=bool(np.all(inputs == 1.0)))
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

@@ -311,12 +311,12 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
     except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
         log.warning("cannot page-lock the relay's slot pool (%s); uploads are staged", exc)
 
-    def handle(data: memoryview, call, unary: bool) -> bytes:
+    def handle(data: memoryview, call, unary: bool, address: int | None) -> bytes:
         started = time.perf_counter()
         if metrics is not None:
             metrics.queue_depth.inc()
         try:
-            response = service.relay_train(data, call, unary)
+            response = service.relay_train(data, call, unary, address)
         finally:
             if metrics is not None:
                 metrics.queue_depth.dec()

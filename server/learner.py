@@ -18,8 +18,7 @@ from typing import Iterable
 import numpy as np
 
 from .backend import Backend, Upload
-from .batch import (Batch, check_features_finite, validate_actions, validate_batch,
-                    validate_features)
+from .batch import Batch, validate_actions, validate_batch, validate_features
 from .config import LearnerConfig
 from .errors import InvalidArgument, NonFiniteStep, ResourceExhausted
 from .state import LearnerState, Params
@@ -128,7 +127,7 @@ class Learner:
     def prepare(self, batch: Batch) -> Prepared:
         """Validate ``batch`` and start its copy to the device; no lock is taken."""
         batch = validate_batch(batch, self.config, self.max_batch_size,
-                               finite_features=not self.backend.checks_features,
+                               check_values=not self.backend.checks_values,
                                keep=self.backend.feature_dtypes)
         return Prepared(batch, self.backend.upload(batch))
 
@@ -138,10 +137,10 @@ class Learner:
         prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
         with prepared, self._lock:
             out = self.backend.propose(prepared.batch, prepared.upload)
-            if not out.features_finite:  # the backend's check; the host names the culprit
+            if not out.inputs_valid:  # the backend's check; the host names the culprit
                 self.backend.discard()
-                check_features_finite(prepared.batch)
-                raise RuntimeError("the backend reported non-finite features the host "
+                validate_batch(prepared.batch, self.config, self.max_batch_size)
+                raise RuntimeError("the backend reported an invalid input value the host "
                                    "does not find")
             if not out.finite:
                 self.backend.discard()

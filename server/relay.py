@@ -59,10 +59,15 @@ class SlotPool:
         self.fd = fd
         self._map = mmap.mmap(fd, count * size)
         self.bytes = np.frombuffer(self._map, np.uint8)   # [count * size]
+        self._base = self.bytes.ctypes.data
         self.view = memoryview(self._map)
 
     def slot(self, index: int, n: int) -> memoryview:
         return self.view[index * self.size: index * self.size + n]
+
+    def address(self, index: int) -> int:
+        """Host address of slot ``index``'s first byte."""
+        return self._base + index * self.size
 
     def write(self, index: int, data: bytes) -> None:
         start = index * self.size
@@ -276,8 +281,9 @@ class _LearnerStream:
         self.failed: tuple[grpc.StatusCode, bytes] | None = None
 
 
-#: Runs one request: (request bytes, call, unary) → response bytes; raises to refuse it.
-Handler = Callable[[memoryview, RelayCall, bool], bytes]
+#: Runs one request: (request bytes, call, unary, the bytes' host address when they lie in
+#: the slot pool) → response bytes; raises to refuse it.
+Handler = Callable[[memoryview, RelayCall, bool, "int | None"], bytes]
 #: Turns a handler's exception into (status code, details).
 Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
 
@@ -378,11 +384,12 @@ class RelayLearner:
                     done = stream.ended
                     break
                 slot, data, deadline = stream.queue.popleft()
-            self._reply(stream, slot, *self._run(stream, data, deadline))
+            address = self.slots.address(slot) if slot >= 0 else None
+            self._reply(stream, slot, *self._run(stream, data, address, deadline))
         if done:
             self._finish(stream)
 
-    def _run(self, stream: _LearnerStream, data: memoryview,
+    def _run(self, stream: _LearnerStream, data: memoryview, address: int | None,
              deadline: float) -> tuple[grpc.StatusCode, bytes]:
         if stream.failed is not None:
             return stream.failed
@@ -391,7 +398,7 @@ class RelayLearner:
                                                b"it was not applied")
         try:
             return grpc.StatusCode.OK, self._handle(data, RelayCall(deadline, stream),
-                                                    stream.unary)
+                                                    stream.unary, address)
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
             code, details = self._refuse(exc, stream.unary)
             stream.failed = (code, details.encode())
@@ -407,9 +414,7 @@ class RelayLearner:
         frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
         try:
             with self._send_lock:
-                self._sock.sendall(frame)
-                if payload:
-                    self._sock.sendall(payload)
+                self._sock.sendall(frame + payload)   # one system call
         except OSError:
             pass   # the front is gone; the reader sees it too
 

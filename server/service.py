@@ -20,6 +20,7 @@ new state changes (UNAVAILABLE) and waits for those admitted to finish.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -40,13 +41,13 @@ from duelq.client.tensors import decode, encode, float16_to_float32, tensor_fiel
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
-from .batch import Batch
+from .batch import Batch, HostSpan
 from .checkpoint import CheckpointError, CheckpointWriter
 from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, StepResult
 from .state import LearnerState
-from .wire import train_request_deserializer, undecodable
+from .wire import TENSOR_FIELDS, WireTrainRequest, train_request_deserializer, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +140,24 @@ def _features(message, field: str, keep_16bit: bool) -> np.ndarray:
     return float16_to_float32(a) if a.dtype == np.float16 and not keep_16bit else a
 
 
-def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch:
-    """The numpy Batch of a TrainRequest (size checks only; the learner checks values)."""
+def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False,
+                 address: int | None = None) -> Batch:
+    """The numpy Batch of a TrainRequest (size checks only; the learner checks values).
+
+    ``address``: where the request's bytes lie in host memory, when they were parsed in
+    place (server/wire.py); the batch then records where its arrays are (``Batch.span``)."""
     weights = decode(request.weights, "weights") if request.HasField("weights") else None
-    return Batch(h_t=_features(request, "h_t", keep_16bit),
-                 h_tp1=_features(request, "h_tp1", keep_16bit),
-                 actions=_required(request, "actions"), rewards=_required(request, "rewards"),
-                 dones=_required(request, "dones"), discounts=_required(request, "discounts"),
-                 weights=weights)
+    batch = Batch(h_t=_features(request, "h_t", keep_16bit),
+                  h_tp1=_features(request, "h_tp1", keep_16bit),
+                  actions=_required(request, "actions"), rewards=_required(request, "rewards"),
+                  dones=_required(request, "dones"), discounts=_required(request, "discounts"),
+                  weights=weights)
+    if address is None or not isinstance(request, WireTrainRequest):
+        return batch
+    tensors = [getattr(request, name) for name in TENSOR_FIELDS[:6 if weights is None else 7]]
+    end = max(t.offset + len(t.data) for t in tensors)
+    return dataclasses.replace(batch, span=HostSpan(address, end,
+                                                    tuple(t.offset for t in tensors)))
 
 
 def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
@@ -272,15 +283,16 @@ class LearnerService(pb_grpc.LearnerServicer):
                 self._replay.record(key.actor_id, key.seq, response)
             return response
 
-    def _train(self, request: pb.TrainRequest,
-               context: grpc.ServicerContext | None) -> pb.TrainResponse:
+    def _train(self, request: pb.TrainRequest, context: grpc.ServicerContext | None,
+               address: int | None = None) -> pb.TrainResponse:
         learner = self.learner
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
         self._refuse_if_draining()  # early, before the work below (_admit decides)
         # Checks and the copy towards the device run before the apply lock, beside the
         # step that holds it; a replayed key's upload is simply given back.
         keep_16bit = bool(learner.backend.feature_dtypes)
-        with learner.prepare(decode_batch(request, keep_16bit=keep_16bit)) as prepared:
+        batch = decode_batch(request, keep_16bit=keep_16bit, address=address)
+        with learner.prepare(batch) as prepared:
             def apply() -> pb.TrainResponse:
                 response = train_response(learner.step(prepared), request.key)
                 if self.checkpoints is not None:  # under the apply lock: steps arrive in order
@@ -288,8 +300,10 @@ class LearnerService(pb_grpc.LearnerServicer):
                 return response
             return self._keyed(request.key, pb.TrainResponse, apply, context)
 
-    def relay_train(self, data: memoryview, call, unary: bool) -> pb.TrainResponse:
-        """A relayed TrainStep/TrainStream request's bytes (server/relay.py) → its answer.
+    def relay_train(self, data: memoryview, call, unary: bool,
+                    address: int | None = None) -> pb.TrainResponse:
+        """A relayed TrainStep/TrainStream request's bytes (server/relay.py), which lie at host
+        ``address`` when known, → its answer.
 
         Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
         try:
@@ -297,7 +311,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
             raise InvalidArgument("request", undecodable("TrainStep" if unary else "TrainStream",
                                                          exc)) from None
-        return self._train(request, call)
+        return self._train(request, call, address)
 
     def open_stream(self) -> None:
         """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""

@@ -32,12 +32,14 @@ class _Fallback(Exception):
 
 
 class WireTensor:
-    """A Tensor read from the wire: ``data`` is a memoryview of the request's bytes."""
+    """A Tensor read from the wire: ``data`` is a memoryview of the request's bytes, from
+    byte ``offset`` of the request on."""
 
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "offset")
 
-    def __init__(self, dtype: int = 0, shape: tuple[int, ...] = (), data=_EMPTY):
-        self.dtype, self.shape, self.data = dtype, shape, data
+    def __init__(self, dtype: int = 0, shape: tuple[int, ...] = (), data=_EMPTY,
+                 offset: int = 0):
+        self.dtype, self.shape, self.data, self.offset = dtype, shape, data, offset
 
     def __repr__(self) -> str:
         return f"WireTensor(dtype={self.dtype}, shape={self.shape}, {len(self.data)} bytes)"
@@ -93,7 +95,7 @@ def _packed(buf: bytes) -> tuple[int, ...]:
 
 
 def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
-    dtype, shape, payload = 0, (), _EMPTY
+    dtype, shape, payload, offset = 0, (), _EMPTY, end
     if pos < end and data[pos] == 0x08:           # dtype = 1, varint (one byte)
         if pos + 1 >= end or data[pos + 1] >= 0x80:
             raise _Fallback
@@ -111,11 +113,11 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
         stop = pos + length
         if stop > end:
             raise _Fallback
-        payload = view[pos:stop]
+        payload, offset = view[pos:stop], pos
         pos = stop
     if pos != end:
         raise _Fallback
-    return WireTensor(dtype, shape, payload)
+    return WireTensor(dtype, shape, payload, offset)
 
 
 def parse_train_request(data) -> WireTrainRequest | None:

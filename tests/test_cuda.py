@@ -492,25 +492,40 @@ def test_epoch_wraparound_changes_nothing():
 
 
 @pytest.mark.parametrize("B", [31, 4096])
-def test_non_finite_features_are_found_on_the_device(B):
-    """The host skips the features' finiteness pass on cuda; the kernel's flag makes the
-    learner refuse the batch with the same message, state unchanged, at any position."""
+def test_invalid_values_are_found_on_the_device(B):
+    """The host checks only dtypes and shapes on cuda; the kernel's flag makes the learner
+    refuse a batch with any invalid value, at any position, with the host's message and
+    the state unchanged (an action out of range reads no memory outside its arrays)."""
     config = LearnerConfig(hidden_dim=64, n_actions=11, step_entropy_slot=SLOT)
     rng = np.random.default_rng(B)
     state = random_state(config, rng, 3)
     learner = Learner(config, backend=cuda_backend(config, state))
-    assert learner.backend.checks_features
+    assert learner.backend.checks_values
     sane = random_batch(rng, B, config, state, True)
     before = learner.snapshot().checksum()
-    H = config.hidden_dim
-    for field, flat, value in (("h_t", 0, np.nan), ("h_tp1", B * H - 1, np.inf),
-                               ("h_t", (B // 2) * H + 5, -np.inf), ("h_tp1", H + 1, np.nan)):
+    H, last = config.hidden_dim, B - 1
+    nan_at = r"NaN or Inf.*index {}\b"
+    cases = [("h_t", 0, np.nan, nan_at), ("h_tp1", B * H - 1, np.inf, nan_at),
+             ("h_t", (B // 2) * H + 5, -np.inf, nan_at), ("h_tp1", H + 1, np.nan, nan_at),
+             ("actions", last, 11, r"\[0, 11\); element {} is 11"),
+             ("actions", 0, -1, r"element {} is -1"),
+             ("actions", B // 2, 2**31 - 1, r"element {} is 2147483647"),
+             ("rewards", last, np.inf, nan_at), ("rewards", 1, np.nan, nan_at),
+             ("dones", B // 3, 0.5, r"0 or 1; element {} is 0.5"),
+             ("discounts", 0, 1.0 + 2**-23, r"\[0, 1\]; element {}"),
+             ("discounts", last, -0.0001, r"\[0, 1\]; element {}"),
+             ("discounts", 2, np.nan, nan_at),
+             ("weights", last, -1.0, r"≥ 0; element {}"), ("weights", 0, np.inf, nan_at)]
+    for field, flat, value, message in cases:
         bad = getattr(sane, field).copy()
         bad.reshape(-1)[flat] = value
-        with pytest.raises(InvalidArgument, match=rf"{field}.*NaN or Inf.*index {flat}\b"):
+        with pytest.raises(InvalidArgument, match=rf"{field}.*{message.format(flat)}"):
             learner.step(dataclasses.replace(sane, **{field: bad}))
         assert learner.snapshot().checksum() == before and learner.step_count == 3
-    learner.step(sane)  # the refusals left nothing behind
+    edge = dataclasses.replace(sane, dones=np.where(np.arange(B) % 2, 1.0, -0.0).astype(
+        np.float32), discounts=np.where(np.arange(B) % 2, 1.0, 0.0).astype(np.float32),
+        weights=np.zeros(B, np.float32))
+    learner.step(edge)  # the bounds themselves are valid; the refusals left nothing behind
     assert learner.step_count == 4
 
 
@@ -570,38 +585,54 @@ def test_uploaded_batches_step_exactly_like_staged_ones():
 
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_batches_in_registered_memory_upload_straight_and_step_alike(wire):
+def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike(wire):
     """Requests read in place from a page-locked pool (the front process's slots, at odd
-    offsets) are copied to the device array by array, and step bit for bit like the same
-    batches packed the usual way."""
+    offsets) are copied to the device as they are and unpacked there: the unpacked inputs
+    are bit for bit what the host packs (kernels/unpack_batch.cu against _Staging.pack),
+    and the steps are bit-identical to the same batches packed the usual way.  Spans the
+    kernel cannot take (outside the pool; 16-bit features ending mid-word) are packed."""
     from duelq.client import encode_batch
+    from duelq.server.cuda import _Staging
     from duelq.server.service import decode_batch
     from duelq.server.wire import parse_train_request
-    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     rng = np.random.default_rng(21)
-    start = random_state(config, rng, 0)
-    plain = Learner(config, backend=cuda_backend(config, start))
-    direct = Learner(config, backend=cuda_backend(config, start))
     pool = np.zeros(8 << 20, np.uint8)
-    direct.backend.register_host(pool)
-    try:
-        for B, weights, offset in ((1024, True, 3), (31, False, 1 << 20), (4096, True, 7)):
-            data = encode_batch(random_batch(rng, B, config, start, weights),
-                                feature_dtype=wire).SerializeToString()
-            pool[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
-            in_pool = decode_batch(parse_train_request(pool.data[offset:offset + len(data)]),
-                                   keep_16bit=True)
-            with direct.prepare(in_pool) as prepared:
-                assert direct.backend._in_registered(prepared.batch)  # the direct path
-                got = direct.step(prepared)
-            want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
-            assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
-                                                              want.entropy)
-            assert got.td_errors.tobytes() == want.td_errors.tobytes()
-        assert direct.snapshot().checksum() == plain.snapshot().checksum()
-    finally:
-        direct.backend.unregister_host(pool)
-    assert not direct.backend._registered
+    outside = np.zeros(1 << 20, np.uint8)
+    for H in (128, 127):
+        config = LearnerConfig(hidden_dim=H, n_actions=11, step_entropy_slot=SLOT)
+        start = random_state(config, rng, 0)
+        plain = Learner(config, backend=cuda_backend(config, start))
+        direct = Learner(config, backend=cuda_backend(config, start))
+        direct.backend.register_host(pool)
+        try:
+            for B, weights, offset, region in ((1024, True, 3, pool), (31, False, 1 << 20, pool),
+                                               (4096, True, 7, pool), (1, True, 2, pool),
+                                               (33, True, 1, outside)):
+                data = encode_batch(random_batch(rng, B, config, start, weights),
+                                    feature_dtype=wire).SerializeToString()
+                region[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+                in_place = decode_batch(
+                    parse_train_request(region.data[offset:offset + len(data)]),
+                    keep_16bit=True, address=region.ctypes.data + offset)
+                with direct.prepare(in_place) as prepared:
+                    assert prepared.batch.span == in_place.span is not None
+                    unpacked = direct.backend._unpackable(prepared.batch)
+                    assert unpacked == (region is pool and (wire == "float32" or B * H % 2 == 0))
+                    if unpacked:
+                        prepared.upload.slot.copied.synchronize()
+                        host = _Staging()
+                        words = host.pack(prepared.batch)
+                        device = prepared.upload.slot.staging.device[:words].get()
+                        assert device.tobytes() == host.host[:words].tobytes()
+                    got = direct.step(prepared)
+                want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
+                assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
+                                                                  want.entropy)
+                assert got.td_errors.tobytes() == want.td_errors.tobytes()
+            assert direct.snapshot().checksum() == plain.snapshot().checksum()
+        finally:
+            direct.backend.unregister_host(pool)
+        assert not direct.backend._registered
 
 
 def test_learner_auto_picks_cuda():

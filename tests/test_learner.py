@@ -94,7 +94,7 @@ def test_16_bit_features_are_kept_only_for_a_backend_that_takes_them(dtype):
     b = good()
     b16 = dataclasses.replace(b, h_t=b.h_t.astype(dtype), h_tp1=b.h_tp1.astype(dtype))
     CONFIG = small_config()
-    kept = validate_batch(b16, CONFIG, 64, finite_features=False, keep=(np.dtype(dtype),))
+    kept = validate_batch(b16, CONFIG, 64, check_values=False, keep=(np.dtype(dtype),))
     assert kept.h_t.dtype == dtype and kept.h_tp1.dtype == dtype
     assert kept.h_t.tobytes() == b16.h_t.tobytes()
     widened = validate_batch(b16, CONFIG, 64)  # the reference backend's view: exact float32
@@ -269,3 +269,26 @@ def test_backend_selection():
     if not cuda_usable()[0]:
         with pytest.raises(RuntimeError, match="no usable GPU"):
             Learner(small_config(), backend="cuda")
+
+
+def test_shape_only_validation_leaves_values_but_not_wide_actions():
+    """check_values=False (a backend that checks values on the device) passes bad values
+    through untouched, still refuses bad dtypes and shapes, and still range-checks actions
+    wider than int32, whose cast could wrap into range."""
+    b, CONFIG, B = good(), small_config(), 4
+    bad = dataclasses.replace(b, rewards=np.full(B, np.nan, np.float32),
+                              dones=np.full(B, 0.5, np.float32),
+                              discounts=np.full(B, 2.0, np.float32),
+                              actions=np.full(B, 99, np.int32))
+    with pytest.raises(InvalidArgument, match="actions"):
+        validate_batch(bad, CONFIG, 64)
+    passed = validate_batch(bad, CONFIG, 64, check_values=False)
+    assert passed.actions is bad.actions and np.isnan(passed.rewards).all()
+    with pytest.raises(InvalidArgument, match=r"dones: shape must be \[4\]"):
+        validate_batch(dataclasses.replace(bad, dones=np.zeros(B + 1, np.float32)), CONFIG, 64,
+                       check_values=False)
+    wraps = np.full(B, 2**32 + 1, np.int64)  # 1 once cast to int32
+    with pytest.raises(InvalidArgument, match=r"element 0 is 4294967297"):
+        validate_batch(dataclasses.replace(b, actions=wraps), CONFIG, 64, check_values=False)
+    assert validate_batch(dataclasses.replace(b, actions=b.actions.astype(np.uint8)), CONFIG, 64,
+                          check_values=False).actions.dtype == np.int32

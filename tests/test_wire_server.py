@@ -23,7 +23,7 @@ from duelq.server.wire import (TENSOR_FIELDS, WireTrainRequest, parse_train_requ
                                train_request_deserializer)
 from duelq.v1 import learner_pb2 as pb
 
-from conftest import random_batch
+from conftest import SMALL, random_batch
 
 SETTINGS = settings(max_examples=400, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -142,6 +142,32 @@ def test_client_wire_bytes_take_the_zero_copy_path(wire, weights):
     h = decode_batch(fast).h_t
     if wire == "float32":   # a view of the request's bytes, not a copy
         assert not h.flags.owndata and not h.flags.writeable
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_a_batch_read_in_place_records_where_its_arrays_lie(weights):
+    """decode_batch(address=...) of a request parsed in place from a buffer: the span's
+    offsets are where each array's bytes are; validation keeps the span only while no array
+    is converted; a request that upb parsed (no offsets) gets none."""
+    from duelq.server.batch import validate_batch
+    batch = random_batch(np.random.default_rng(5), 17, weights=weights)
+    data = encode_batch_wire(batch, feature_dtype="float16", actor_id="a", seq=1)
+    pool = np.zeros(len(data) + 11, np.uint8)
+    pool[5:5 + len(data)] = np.frombuffer(data, np.uint8)
+    address = pool.ctypes.data + 5
+    read = decode_batch(parse_train_request(pool.data[5:5 + len(data)]), keep_16bit=True,
+                        address=address)
+    span = read.span
+    assert span.address == address and len(span.offsets) == (7 if weights else 6)
+    for array, offset in zip(read.arrays(), span.offsets):
+        assert array.ctypes.data == address + offset
+        assert offset + array.nbytes <= span.nbytes <= len(data)
+    config = SMALL
+    keep = (np.dtype(np.float16),)
+    assert validate_batch(read, config, 64, check_values=False, keep=keep).span == span
+    assert validate_batch(read, config, 64, check_values=False).span is None  # widened
+    assert decode_batch(pb.TrainRequest.FromString(data), address=address).span is None
+    assert decode_batch(parse_train_request(data), keep_16bit=True).span is None
 
 
 def test_unknown_fields_and_bad_utf8_fall_back_to_upb():

@@ -93,7 +93,7 @@ class TimedBackend(Backend):
         self.inner = inner
         self.config = inner.config
         self.name, self.device = inner.name, inner.device
-        self.checks_features = inner.checks_features
+        self.checks_values = inner.checks_values
         self.feature_dtypes = inner.feature_dtypes
         self.seconds = 0.0       # wall, propose + commit (+ discard)
         self.cpu_seconds = 0.0   # CPU time of the calling thread in them

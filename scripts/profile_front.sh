@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# profile_front.sh — where the `--front-process` server's GIL time goes under a TrainStream
+# load: py-spy samples the threads that hold the GIL in the front and learner processes
+# while `duelq bench --target` drives them (B = 1024 float32, 2 actors, about a minute).
+#
+#   scripts/profile_front.sh [cuda|reference]
+#
+# Needs py-spy: on PATH, or its wheel in .prof/ (carried to the GPU machine).  Writes
+# $OUT/gil.txt (py-spy's collapsed stacks, by process and thread) and prints the functions
+# that hold the GIL most in each process (./duelq-profile without OUT).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+DEST=${OUT:-$ROOT/duelq-profile}
+BACKEND=${1:-cuda}
+export PYTHONUNBUFFERED=1
+. "$ROOT/scripts/device_env.sh"
+cd "$ROOT"
+mkdir -p "$DEST"
+SPY=$(command -v py-spy)
+if [ -z "$SPY" ] && compgen -G "$ROOT/.prof/py_spy-*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/pyspy "$ROOT"/.prof/py_spy-*.whl
+    SPY=/tmp/pyspy/bin/py-spy
+fi
+[ -x "$SPY" ] || { echo "py-spy not found (PATH or .prof/py_spy-*.whl)"; exit 1; }
+"$SPY" record --subprocesses --gil --threads --rate 250 --format raw -o "$DEST/gil.txt" -- \
+    "$PY" -m duelq.server.cli --log-level WARNING serve --backend "$BACKEND" --front-process \
+    --port 50071 >"$DEST/serve.log" 2>&1 &
+SPIED=$!
+for _ in $(seq 90); do
+    "$PY" -m duelq.server.cli health --target 127.0.0.1:50071 >/dev/null 2>&1 && break; sleep 1
+done
+"$PY" -m duelq.server.cli bench --target 127.0.0.1:50071 --batch-sizes 1024 \
+    --wire-dtypes float32 --scaling-actors "" --no-experiments --no-device-step --duration 8 \
+    --out "$DEST/bench" | grep -E "^\| stream"
+for pid in $(pgrep -f "front-process --port 50071"); do   # the server, not py-spy
+    grep -q py-spy "/proc/$pid/cmdline" 2>/dev/null || kill -TERM "$pid"
+done
+wait $SPIED
+"$PY" - "$DEST/gil.txt" <<'TOP'
+import collections, re, sys
+# A line: "process 123:\"cmd\";thread (0x7f..);frame (file:line);... count"
+own, incl = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+total = collections.Counter()
+for line in open(sys.argv[1]):
+    stack, _, n = line.rstrip().rpartition(" ")
+    frames = stack.split(";")
+    proc = "learner" if "spawn_main" in stack or "learner_main" in stack else "front"
+    total[proc] += int(n)
+    names = [re.sub(r" \(.*?([^/]+\.py):\d+\)$", r" (\1)", f) for f in frames[2:]]
+    if names:
+        own[proc][names[-1]] += int(n)
+    for name in set(names):
+        incl[proc][name] += int(n)
+for proc in total:
+    print(f"\n== {proc}: {total[proc]} samples holding the GIL ==")
+    print("-- own (top 25) --")
+    for name, n in own[proc].most_common(25):
+        print(f"{100 * n / total[proc]:5.1f}%  {name}")
+    print("-- inclusive (top 40) --")
+    for name, n in incl[proc].most_common(40):
+        print(f"{100 * n / total[proc]:5.1f}%  {name}")
+TOP
