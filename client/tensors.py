@@ -165,14 +165,15 @@ def decode(tensor: pb.Tensor, field: str, *, widen: bool = True) -> np.ndarray:
     Raises :class:`InvalidArgument` naming ``field`` when the dtype is unknown,
     the shape is malformed or the byte length is not prod(shape) × itemsize.
     """
-    if tensor.dtype not in _BY_ENUM:
+    entry = _BY_ENUM.get(tensor.dtype)
+    if entry is None:
         got = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype
         raise _bad(field, f"dtype must be one of {sorted(WIRE_DTYPES)}, got {got}")
-    name, raw = _BY_ENUM[tensor.dtype]
+    name, raw = entry
     shape = tuple(tensor.shape)
     if len(shape) > MAX_NDIM:
         raise _bad(field, f"has {len(shape)} dimensions, at most {MAX_NDIM}")
-    if any(d < 0 for d in shape):
+    if min(shape, default=0) < 0:
         raise _bad(field, f"shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * raw.itemsize
     data = tensor.data  # a copy out of the message each time it is read: read it once
@@ -183,10 +184,13 @@ def decode(tensor: pb.Tensor, field: str, *, widen: bool = True) -> np.ndarray:
         flags = np.frombuffer(data, np.uint8)
         if flags.size and flags.max() > 1:
             raise _bad(field, "bool bytes must be 0 or 1")
-    try:
-        a = np.frombuffer(data, raw).reshape(shape)
-    except ValueError as exc:  # e.g. [2**62, 2**62, 0]: zero bytes, unrepresentable dims
-        raise _bad(field, f"shape {list(shape)} is not a valid array shape ({exc})") from None
+    a = np.frombuffer(data, raw)
+    if len(shape) != 1:  # 1-D: frombuffer's own shape (one call less on the hot path)
+        try:
+            a = a.reshape(shape)
+        except ValueError as exc:  # e.g. [2**62, 2**62, 0]: zero bytes, unrepresentable dims
+            raise _bad(field, f"shape {list(shape)} is not a valid array shape ({exc})") \
+                from None
     if name != "bfloat16":
         return a
     return bfloat16_bits_to_float32(a) if widen else a.view(ml_dtypes.bfloat16)

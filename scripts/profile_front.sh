@@ -7,7 +7,8 @@
 #
 # Needs py-spy: on PATH, or its wheel in .prof/ (carried to the GPU machine).  Writes
 # $OUT/gil.txt (py-spy's collapsed stacks, by process and thread) and prints the functions
-# that hold the GIL most in each process (./duelq-profile without OUT).
+# that hold the GIL most in each process (./duelq-profile without OUT).  SPY_FLAGS=--idle
+# samples every thread, waiting or not, instead of the GIL's holders.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
@@ -23,7 +24,7 @@ if [ -z "$SPY" ] && compgen -G "$ROOT/.prof/py_spy-*.whl" >/dev/null; then
     SPY=/tmp/pyspy/bin/py-spy
 fi
 [ -x "$SPY" ] || { echo "py-spy not found (PATH or .prof/py_spy-*.whl)"; exit 1; }
-"$SPY" record --subprocesses --gil --threads --rate 250 --format raw -o "$DEST/gil.txt" -- \
+"$SPY" record --subprocesses ${SPY_FLAGS:---gil} --threads --rate 250 --format raw -o "$DEST/gil.txt" -- \
     "$PY" -m duelq.server.cli --log-level WARNING serve --backend "$BACKEND" --front-process \
     --port 50071 >"$DEST/serve.log" 2>&1 &
 SPIED=$!

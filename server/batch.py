@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -162,7 +161,10 @@ def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
     weights = None if batch.weights is None else vector("weights", batch.weights)
     if check_values and weights is not None:
         first("weights", weights, weights < 0, "must be ≥ 0")
-    checked = Batch(h_t, h_tp1, actions, rewards, dones, discounts, weights)
-    if batch.span is None or any(a is not b for a, b in zip(checked.arrays(), batch.arrays())):
-        return checked
-    return dataclasses.replace(checked, span=batch.span)  # no array was converted
+    span = batch.span
+    if span is not None and not (h_t is batch.h_t and h_tp1 is batch.h_tp1
+                                 and actions is batch.actions and rewards is batch.rewards
+                                 and dones is batch.dones and discounts is batch.discounts
+                                 and weights is batch.weights):
+        span = None  # an array was converted: it no longer lies there
+    return Batch(h_t, h_tp1, actions, rewards, dones, discounts, weights, span)

@@ -503,19 +503,20 @@ class CudaBackend(Backend):
                 upload.stepped = slot is not None
                 upload.close()
         out = self._outputs.host
+        td = out[:2 * B].copy()                  # td_errors, priorities
         # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums,
-        # inputs valid.
-        finite, norms, losses, q_sums, inputs = (
-            out[2 * B + 1:words].astype(np.float64).reshape(5, G))
-        loss, q_mean = float(losses.sum() / B), float(q_sums.sum() / B)
+        # inputs valid (as Python floats: G values each, cheaper than NumPy calls).
+        head = out[2 * B:words].tolist()
+        finite, norms, losses, q_sums, inputs = (head[1 + i * G:1 + (i + 1) * G]
+                                                 for i in range(5))
+        loss, q_mean = sum(losses) / B, sum(q_sums) / B
         self._pending = True
         return StepOutputs(
-            loss=loss, td_errors=out[:B].copy(),
-            priorities=out[B:2 * B].copy(), q_taken_mean=q_mean,
-            grad_norm=float(np.sqrt(np.square(norms).sum())),
-            finite=bool(np.all(finite == 1.0)) and math.isfinite(loss) and math.isfinite(q_mean),
-            entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
-            inputs_valid=bool(np.all(inputs == 1.0)))
+            loss=loss, td_errors=td[:B], priorities=td[B:], q_taken_mean=q_mean,
+            grad_norm=math.sqrt(sum(n * n for n in norms)),
+            finite=finite.count(1.0) == G and math.isfinite(loss) and math.isfinite(q_mean),
+            entropy=head[0] if self._entropy_slot >= 0 else None,
+            inputs_valid=inputs.count(1.0) == G)
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

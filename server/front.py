@@ -42,7 +42,8 @@ from .config import LearnerConfig
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
-from .service import refusal
+from .metrics import Metrics
+from .service import TrainJob, refusal
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +282,22 @@ def _log_setup() -> tuple[str, str]:
     return logging.getLevelName(root.level), "json" if json_lines else "text"
 
 
+class _Counted:
+    """A relayed train job, counted in the queue-depth gauge (when metrics are on) from its
+    checks until it closes; ``started`` times its answer."""
+
+    def __init__(self, job: TrainJob, metrics: Metrics | None):
+        self.job, self.started, self._metrics = job, time.perf_counter(), metrics
+        if metrics is not None:
+            metrics.queue_depth.inc()
+
+    def close(self) -> None:
+        self.job.close()
+        metrics, self._metrics = self._metrics, None
+        if metrics is not None:
+            metrics.queue_depth.dec()
+
+
 def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
                  backend: str, address: str, log_setup: tuple[str, str]) -> None:
     """The learner process: a LearnerServer on ``address`` plus the relay's learner end."""
@@ -311,17 +328,14 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
     except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
         log.warning("cannot page-lock the relay's slot pool (%s); uploads are staged", exc)
 
-    def handle(data: memoryview, call, unary: bool, address: int | None) -> bytes:
-        started = time.perf_counter()
+    def prepare(data: memoryview, unary: bool, address: int | None) -> _Counted:
+        job = service.relay_prepare(data, unary, address)
+        return _Counted(job, metrics)
+
+    def apply(counted: _Counted, call) -> bytes:
+        response = service.apply_train(counted.job, call)
         if metrics is not None:
-            metrics.queue_depth.inc()
-        try:
-            response = service.relay_train(data, call, unary, address)
-        finally:
-            if metrics is not None:
-                metrics.queue_depth.dec()
-        if metrics is not None:
-            metrics.observe_answer(response, started)
+            metrics.observe_answer(response, counted.started)
         return response.SerializeToString()
 
     def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
@@ -341,8 +355,8 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
         if metrics is not None:
             metrics.active_streams.dec()
 
-    relay = RelayLearner(sock, slots, handle, refuse, open_stream=open_stream,
-                         close_stream=close_stream, workers=options.max_rpcs)
+    relay = RelayLearner(sock, slots, prepare, apply, refuse, open_stream=open_stream,
+                         close_stream=close_stream)
     relay.start()
     learner = server.learner
     conn.send(("ready", {"backend": learner.backend.name, "device": learner.backend.device,

@@ -13,9 +13,10 @@ Unix socket pair carries fixed-size frames:
                       (TrainResponse bytes, or the error details as UTF-8)
 
 Every REQ gets exactly one REPLY, in order within its stream; the front gives a
-slot back only on its REPLY, so the learner reads the bytes in place.  Requests
-of one stream run one at a time, in order, on a thread pool; streams run side by
-side (steps still serialise on the service's apply lock).
+slot back only on its REPLY, so the learner reads the bytes in place.  The learner
+takes requests in arrival order on two threads: one checks the next request and
+starts its copy to the device while the other steps the one before it
+(:class:`RelayLearner`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ import struct
 import threading
 import time
 from collections import deque
-from concurrent import futures
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import grpc
 import numpy as np
@@ -272,41 +272,71 @@ class RelayCall:
 
 
 class _LearnerStream:
-    __slots__ = ("sid", "unary", "queue", "running", "ended", "failed", "admitted")
+    __slots__ = ("sid", "unary", "outstanding", "ended", "failed", "admitted")
 
     def __init__(self, sid: int, unary: bool):
         self.sid, self.unary = sid, unary
-        self.queue: deque = deque()
-        self.running = self.ended = self.admitted = False
+        self.outstanding = 0            # requests received, not answered
+        self.ended = self.admitted = False
         self.failed: tuple[grpc.StatusCode, bytes] | None = None
 
 
-#: Runs one request: (request bytes, call, unary, the bytes' host address when they lie in
-#: the slot pool) → response bytes; raises to refuse it.
-Handler = Callable[[memoryview, RelayCall, bool, "int | None"], bytes]
-#: Turns a handler's exception into (status code, details).
+class _Item:
+    """One relayed request on its way through the prepare and apply threads."""
+
+    __slots__ = ("stream", "slot", "data", "deadline", "job", "error")
+
+    def __init__(self, stream: _LearnerStream, slot: int, data: memoryview, deadline: float):
+        self.stream, self.slot, self.data, self.deadline = stream, slot, data, deadline
+        self.job: Job | None = None
+        self.error: Exception | None = None
+
+
+class Job(Protocol):
+    def close(self) -> None: ...
+
+
+#: Checks a request and starts it towards the device: (request bytes, unary, the bytes'
+#: host address when they lie in the slot pool) → a job; raises to refuse the request.
+Prepare = Callable[[memoryview, bool, "int | None"], Job]
+#: Steps a prepared job: (job, call) → response bytes; raises to refuse the request.
+Apply = Callable[[Job, RelayCall], bytes]
+#: Turns an exception into (status code, details), given unary.
 Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
+
+AHEAD = 2   # prepared requests that may wait for the apply thread
 
 
 class RelayLearner:
-    """The learner process's end: runs each stream's requests in order and replies."""
+    """The learner process's end: two threads take every request in arrival order.  One
+    parses and checks a request and starts its copy to the device while the other steps
+    the one before and replies, so a step's device time overlaps the next request's host
+    work; one thread each, not one per stream, so the GIL is not contended.  A stream's
+    requests are answered in its order, and none after its first refusal is applied."""
 
-    def __init__(self, sock: socket.socket, slots: SlotPool, handle: Handler, refuse: Refusal,
-                 *, open_stream: Callable[[], None], close_stream: Callable[[], None],
-                 workers: int):
+    def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
+                 refuse: Refusal, *, open_stream: Callable[[], None],
+                 close_stream: Callable[[], None]):
         self._sock, self.slots = sock, slots
-        self._handle, self._refuse = handle, refuse
+        self._prepare, self._apply, self._refuse = prepare, apply, refuse
         self._open_stream, self._close_stream = open_stream, close_stream
-        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="duelq-relay")
         self._streams: dict[int, _LearnerStream] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._received: deque[_Item] = deque()     # for the prepare thread
+        self._prepared: deque[_Item] = deque()     # for the apply thread
+        self._wake = threading.Condition(self._lock)
+        self._closing = False         # the reader has ended: drain, then stop
+        self._prepare_done = False    # the prepare thread has stopped
         self.closed = threading.Event()
-        self._reader = threading.Thread(target=self._read, name="duelq-relay-learner",
-                                        daemon=True)
+        self._threads = [threading.Thread(target=target, name=f"duelq-relay-{name}", daemon=True)
+                         for target, name in ((self._read, "learner"),
+                                              (self._prepare_loop, "prepare"),
+                                              (self._apply_loop, "apply"))]
 
     def start(self) -> None:
-        self._reader.start()
+        for thread in self._threads:
+            thread.start()
 
     def _read(self) -> None:
         rfile = self._sock.makefile("rb", buffering=1 << 16)
@@ -321,7 +351,7 @@ class RelayLearner:
                     if op == OPEN:
                         self._open(sid, unary=bool(slot))
                     elif op == REQ:
-                        self._enqueue(sid, (slot, data, deadline))
+                        self._enqueue(sid, slot, data, deadline)
                     elif op == END:
                         self._end(sid)
                 except Exception:  # noqa: BLE001 — one bad frame must not end the relay
@@ -332,6 +362,8 @@ class RelayLearner:
             with self._lock:
                 for stream in self._streams.values():
                     stream.ended = True
+                self._closing = True
+                self._wake.notify_all()
             self.closed.set()
 
     def _open(self, sid: int, unary: bool) -> None:
@@ -346,19 +378,17 @@ class RelayLearner:
         with self._lock:
             self._streams[sid] = stream
 
-    def _enqueue(self, sid: int, item) -> None:
+    def _enqueue(self, sid: int, slot: int, data: memoryview, deadline: float) -> None:
         with self._lock:
             stream = self._streams.get(sid)
             if stream is not None:
-                stream.queue.append(item)
-                if stream.running:
-                    return
-                stream.running = True
-        if stream is None:   # not open (a front bug): answer, so its slot comes back
-            self._reply(_LearnerStream(sid, False), item[0], grpc.StatusCode.CANCELLED,
-                        b"unknown stream; not applied")
-            return
-        self._pool.submit(self._drain, stream)
+                stream.outstanding += 1
+                self._received.append(_Item(stream, slot, data, deadline))
+                self._wake.notify_all()
+                return
+        # Not open (a front bug): answer, so its slot comes back.
+        self._reply(_LearnerStream(sid, False), slot, grpc.StatusCode.CANCELLED,
+                    b"unknown stream; not applied")
 
     def _end(self, sid: int) -> None:
         with self._lock:
@@ -366,7 +396,7 @@ class RelayLearner:
             if stream is None:
                 return
             stream.ended = True
-            if stream.running:
+            if stream.outstanding:
                 return
         self._finish(stream)
 
@@ -376,36 +406,65 @@ class RelayLearner:
         if stream.admitted:
             self._close_stream()
 
-    def _drain(self, stream: _LearnerStream) -> None:
+    def _prepare_loop(self) -> None:
         while True:
             with self._lock:
-                if not stream.queue:
-                    stream.running = False
-                    done = stream.ended
-                    break
-                slot, data, deadline = stream.queue.popleft()
-            address = self.slots.address(slot) if slot >= 0 else None
-            self._reply(stream, slot, *self._run(stream, data, address, deadline))
-        if done:
-            self._finish(stream)
+                while not self._received and not self._closing:
+                    self._wake.wait()
+                if not self._received:
+                    self._prepare_done = True
+                    self._wake.notify_all()
+                    return
+                item = self._received.popleft()
+            stream = item.stream
+            if stream.failed is None and not stream.ended:
+                address = self.slots.address(item.slot) if item.slot >= 0 else None
+                try:
+                    item.job = self._prepare(item.data, stream.unary, address)
+                except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
+                    item.error = exc
+            with self._lock:
+                while len(self._prepared) >= AHEAD and not self._closing:
+                    self._wake.wait()
+                self._prepared.append(item)
+                self._wake.notify_all()
 
-    def _run(self, stream: _LearnerStream, data: memoryview, address: int | None,
-             deadline: float) -> tuple[grpc.StatusCode, bytes]:
-        if stream.failed is not None:
-            return stream.failed
-        if stream.ended:
-            return (grpc.StatusCode.CANCELLED, b"the call ended before this request started; "
-                                               b"it was not applied")
+    def _apply_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._prepared and not self._prepare_done:
+                    self._wake.wait()
+                if not self._prepared:
+                    return
+                item = self._prepared.popleft()
+                self._wake.notify_all()   # room for the prepare thread
+            self._reply(item.stream, item.slot, *self._run(item))
+            with self._lock:
+                item.stream.outstanding -= 1
+                done = item.stream.ended and not item.stream.outstanding
+            if done:
+                self._finish(item.stream)
+
+    def _run(self, item: _Item) -> tuple[grpc.StatusCode, bytes]:
+        stream = item.stream
         try:
-            return grpc.StatusCode.OK, self._handle(data, RelayCall(deadline, stream),
-                                                    stream.unary, address)
+            if stream.failed is not None:
+                return stream.failed
+            if stream.ended:
+                return (grpc.StatusCode.CANCELLED, b"the call ended before this request "
+                                                   b"started; it was not applied")
+            if item.error is not None:
+                raise item.error
+            return grpc.StatusCode.OK, self._apply(item.job, RelayCall(item.deadline, stream))
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
             code, details = self._refuse(exc, stream.unary)
             stream.failed = (code, details.encode())
             return stream.failed
         finally:
+            if item.job is not None:
+                item.job.close()
             try:
-                data.release()
+                item.data.release()
             except BufferError:   # still viewed by the batch of a refused request
                 pass
 
@@ -423,6 +482,6 @@ class RelayLearner:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._reader.join(5)
-        self._pool.shutdown(wait=True)
+        for thread in self._threads:   # the reader first; then the others drain and end
+            thread.join(5)
         self._sock.close()

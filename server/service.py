@@ -20,7 +20,6 @@ new state changes (UNAVAILABLE) and waits for those admitted to finish.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import json
@@ -45,7 +44,7 @@ from .batch import Batch, HostSpan
 from .checkpoint import CheckpointError, CheckpointWriter
 from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
 from .idempotency import AlreadyApplied, ReplayGuard
-from .learner import Learner, StepResult
+from .learner import Learner, Prepared, StepResult
 from .state import LearnerState
 from .wire import TENSOR_FIELDS, WireTrainRequest, train_request_deserializer, undecodable
 
@@ -146,18 +145,18 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False,
 
     ``address``: where the request's bytes lie in host memory, when they were parsed in
     place (server/wire.py); the batch then records where its arrays are (``Batch.span``)."""
-    weights = decode(request.weights, "weights") if request.HasField("weights") else None
-    batch = Batch(h_t=_features(request, "h_t", keep_16bit),
-                  h_tp1=_features(request, "h_tp1", keep_16bit),
-                  actions=_required(request, "actions"), rewards=_required(request, "rewards"),
-                  dones=_required(request, "dones"), discounts=_required(request, "discounts"),
-                  weights=weights)
-    if address is None or not isinstance(request, WireTrainRequest):
-        return batch
-    tensors = [getattr(request, name) for name in TENSOR_FIELDS[:6 if weights is None else 7]]
-    end = max(t.offset + len(t.data) for t in tensors)
-    return dataclasses.replace(batch, span=HostSpan(address, end,
-                                                    tuple(t.offset for t in tensors)))
+    has_weights = request.HasField("weights")
+    span = None
+    if address is not None and isinstance(request, WireTrainRequest):
+        tensors = [getattr(request, name) for name in TENSOR_FIELDS[:7 if has_weights else 6]]
+        span = HostSpan(address, max(t.offset + len(t.data) for t in tensors),
+                        tuple(t.offset for t in tensors))
+    return Batch(h_t=_features(request, "h_t", keep_16bit),
+                 h_tp1=_features(request, "h_tp1", keep_16bit),
+                 actions=_required(request, "actions"), rewards=_required(request, "rewards"),
+                 dones=_required(request, "dones"), discounts=_required(request, "discounts"),
+                 weights=decode(request.weights, "weights") if has_weights else None,
+                 span=span)
 
 
 def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
@@ -176,6 +175,25 @@ def train_response(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
     if result.entropy is not None:
         response.entropy = result.entropy
     return response
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """A train request checked and on its way to the device, waiting for its step; a
+    context manager: closing it gives an unused upload back."""
+
+    learner: Learner
+    key: pb.RequestKey
+    prepared: Prepared
+
+    def __enter__(self) -> "TrainJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.prepared.__exit__()
 
 
 @dataclass(frozen=True)
@@ -283,27 +301,37 @@ class LearnerService(pb_grpc.LearnerServicer):
                 self._replay.record(key.actor_id, key.seq, response)
             return response
 
-    def _train(self, request: pb.TrainRequest, context: grpc.ServicerContext | None,
-               address: int | None = None) -> pb.TrainResponse:
+    def _train(self, request: pb.TrainRequest,
+               context: grpc.ServicerContext | None) -> pb.TrainResponse:
+        with self.prepare_train(request) as job:
+            return self.apply_train(job, context)
+
+    def prepare_train(self, request: pb.TrainRequest, address: int | None = None) -> TrainJob:
+        """A train request's checks and its copy towards the device, which run before the
+        apply lock, beside the step that holds it (``address``: where the request's bytes
+        lie, when it was parsed in place)."""
         learner = self.learner
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
         self._refuse_if_draining()  # early, before the work below (_admit decides)
-        # Checks and the copy towards the device run before the apply lock, beside the
-        # step that holds it; a replayed key's upload is simply given back.
         keep_16bit = bool(learner.backend.feature_dtypes)
         batch = decode_batch(request, keep_16bit=keep_16bit, address=address)
-        with learner.prepare(batch) as prepared:
-            def apply() -> pb.TrainResponse:
-                response = train_response(learner.step(prepared), request.key)
-                if self.checkpoints is not None:  # under the apply lock: steps arrive in order
-                    self.checkpoints.notify(response.step)
-                return response
-            return self._keyed(request.key, pb.TrainResponse, apply, context)
+        return TrainJob(learner, request.key, learner.prepare(batch))
 
-    def relay_train(self, data: memoryview, call, unary: bool,
-                    address: int | None = None) -> pb.TrainResponse:
-        """A relayed TrainStep/TrainStream request's bytes (server/relay.py), which lie at host
-        ``address`` when known, → its answer.
+    def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None
+                    ) -> pb.TrainResponse:
+        """Step a prepared request once under the apply lock (a replayed key's upload is
+        simply given back when the job closes)."""
+        def apply() -> pb.TrainResponse:
+            response = train_response(job.learner.step(job.prepared), job.key)
+            if self.checkpoints is not None:  # under the apply lock: steps arrive in order
+                self.checkpoints.notify(response.step)
+            return response
+        return self._keyed(job.key, pb.TrainResponse, apply, context)
+
+    def relay_prepare(self, data: memoryview, unary: bool,
+                      address: int | None = None) -> TrainJob:
+        """:meth:`prepare_train` of a relayed TrainStep/TrainStream request's bytes
+        (server/relay.py), which lie at host ``address`` when known.
 
         Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
         try:
@@ -311,7 +339,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
             raise InvalidArgument("request", undecodable("TrainStep" if unary else "TrainStream",
                                                          exc)) from None
-        return self._train(request, call, address)
+        return self.prepare_train(request, address)
 
     def open_stream(self) -> None:
         """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""
