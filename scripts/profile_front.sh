@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # profile_front.sh — where the `--front-process` server's GIL time goes under a TrainStream
 # load: py-spy samples the threads that hold the GIL in the front and learner processes
-# while `duelq bench --target` drives them (B = 1024 float32, 2 actors, about a minute).
+# while `duelq bench --target` drives them (B = 1024 float32, $ACTORS actors (default 2),
+# about a minute).
 #
 #   scripts/profile_front.sh [cuda|reference]
 #
@@ -31,7 +32,7 @@ SPIED=$!
 for _ in $(seq 90); do
     "$PY" -m duelq.server.cli health --target 127.0.0.1:50071 >/dev/null 2>&1 && break; sleep 1
 done
-"$PY" -m duelq.server.cli bench --target 127.0.0.1:50071 --batch-sizes 1024 \
+"$PY" -m duelq.server.cli bench --target 127.0.0.1:50071 --batch-sizes 1024 --actors "${ACTORS:-2}" \
     --wire-dtypes float32 --scaling-actors "" --no-experiments --no-device-step --duration 8 \
     --out "$DEST/bench" | grep -E "^\| stream"
 for pid in $(pgrep -f "front-process --port 50071"); do   # the server, not py-spy
@@ -43,18 +44,24 @@ import collections, re, sys
 # A line: "process 123:\"cmd\";thread (0x7f..);frame (file:line);... count"
 own, incl = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
 total = collections.Counter()
+threads = collections.Counter()
 for line in open(sys.argv[1]):
     stack, _, n = line.rstrip().rpartition(" ")
+    if "importlib" in stack or "<module>" in stack:
+        continue                              # start-up: imports, compiles
     frames = stack.split(";")
     proc = "learner" if "spawn_main" in stack or "learner_main" in stack else "front"
     total[proc] += int(n)
+    thread = next((f for f in frames if f.startswith("thread (")), "thread ?")
+    threads[proc, re.sub(r"\(\d+\)|_\d+$", "", thread)] += int(n)
     names = [re.sub(r" \(.*?([^/]+\.py):\d+\)$", r" (\1)", f) for f in frames[2:]]
     if names:
         own[proc][names[-1]] += int(n)
     for name in set(names):
         incl[proc][name] += int(n)
 for proc in total:
-    print(f"\n== {proc}: {total[proc]} samples holding the GIL ==")
+    print(f"\n== {proc}: {total[proc]} samples (250 a second) after start-up ==")
+    print("  ".join(f"{t.split(': ')[-1]} {n}" for (p, t), n in threads.most_common() if p == proc))
     print("-- own (top 25) --")
     for name, n in own[proc].most_common(25):
         print(f"{100 * n / total[proc]:5.1f}%  {name}")
