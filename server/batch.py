@@ -24,6 +24,7 @@ class HostSpan:
     nbytes: int                 # bytes from there that hold every array
     offsets: tuple[int, ...]    # byte offsets of h_t, h_tp1, actions, rewards, dones,
                                 # discounts and (if present) weights
+    sizes: tuple[int, ...]      # their byte sizes (each array's nbytes)
 
 
 @dataclass(frozen=True)

@@ -189,9 +189,11 @@ class _Uploaded(Upload):
     def close(self) -> None:
         slot, self.slot = self.slot, None
         if slot is not None:
-            if not self.stepped:
-                slot.copied.synchronize()
-            self._free.put(slot)
+            try:
+                if not self.stepped:
+                    slot.copied.synchronize()
+            finally:
+                self._free.put(slot)
 
 
 class CudaBackend(Backend):
@@ -378,10 +380,14 @@ class CudaBackend(Backend):
             cp.cuda.runtime.hostUnregister(span[0])
 
     def _unpackable(self, batch: Batch) -> bool:
-        """Whether ``batch`` has a span in page-locked memory whose features end on a word."""
+        """Whether ``batch`` has a span in page-locked memory that holds its arrays as the
+        kernel reads them (features ending on a word, 32-bit vectors)."""
         span = batch.span
-        return span is not None and batch.h_t.nbytes % 4 == 0 and any(
-            lo <= span.address and span.address + span.nbytes <= hi for lo, hi in self._registered)
+        return (span is not None and batch.h_t.nbytes % 4 == 0
+                and all(a.nbytes == n for a, n in zip(batch.arrays(), span.sizes))
+                and batch.actions.dtype == np.int32
+                and any(lo <= span.address and span.address + span.nbytes <= hi
+                        for lo, hi in self._registered))
 
     def _unpack(self, batch: Batch, slot: _Slot) -> None:
         """Copy ``batch``'s span to the device as it is and unpack it into the slot's staging
@@ -394,9 +400,9 @@ class CudaBackend(Backend):
                        rt.memcpyHostToDevice, self._upload_stream.ptr)
         args = UnpackArgs(src=slot.message.data.ptr, segments=len(span.offsets))
         word = 0
-        for i, (offset, array) in enumerate(zip(span.offsets, batch.arrays())):
+        for i, (offset, size) in enumerate(zip(span.offsets, span.sizes)):
             args.src_offset[i], args.start[i] = offset, word
-            word += array.nbytes // 4
+            word += size // 4
         args.start[len(span.offsets)] = word
         args.out = slot.staging.reserve_device(word).data.ptr
         blocks = max(1, min(-(-word // (4 * THREADS)), 4 * self.max_blocks))

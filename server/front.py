@@ -42,7 +42,6 @@ from .config import LearnerConfig
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
-from .metrics import Metrics
 from .service import TrainJob, refusal
 
 log = logging.getLogger(__name__)
@@ -282,22 +281,6 @@ def _log_setup() -> tuple[str, str]:
     return logging.getLevelName(root.level), "json" if json_lines else "text"
 
 
-class _Counted:
-    """A relayed train job, counted in the queue-depth gauge (when metrics are on) from its
-    checks until it closes; ``started`` times its answer."""
-
-    def __init__(self, job: TrainJob, metrics: Metrics | None):
-        self.job, self.started, self._metrics = job, time.perf_counter(), metrics
-        if metrics is not None:
-            metrics.queue_depth.inc()
-
-    def close(self) -> None:
-        self.job.close()
-        metrics, self._metrics = self._metrics, None
-        if metrics is not None:
-            metrics.queue_depth.dec()
-
-
 def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
                  backend: str, address: str, log_setup: tuple[str, str]) -> None:
     """The learner process: a LearnerServer on ``address`` plus the relay's learner end."""
@@ -328,14 +311,10 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
     except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
         log.warning("cannot page-lock the relay's slot pool (%s); uploads are staged", exc)
 
-    def prepare(data: memoryview, unary: bool, address: int | None) -> _Counted:
-        job = service.relay_prepare(data, unary, address)
-        return _Counted(job, metrics)
-
-    def apply(counted: _Counted, call) -> bytes:
-        response = service.apply_train(counted.job, call)
-        if metrics is not None:
-            metrics.observe_answer(response, counted.started)
+    def apply(job: TrainJob, call) -> bytes:
+        response = service.apply_train(job, call)
+        if metrics is not None:   # the latency from the request's arrival in this process
+            metrics.observe_answer(response, call.arrived)
         return response.SerializeToString()
 
     def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
@@ -355,8 +334,9 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
         if metrics is not None:
             metrics.active_streams.dec()
 
-    relay = RelayLearner(sock, slots, prepare, apply, refuse, open_stream=open_stream,
-                         close_stream=close_stream)
+    relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
+                         open_stream=open_stream, close_stream=close_stream,
+                         depth=metrics.queue_depth if metrics is not None else None)
     relay.start()
     learner = server.learner
     conn.send(("ready", {"backend": learner.backend.name, "device": learner.backend.device,

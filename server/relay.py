@@ -257,8 +257,9 @@ class RelayFront:
 class RelayCall:
     """What the service reads of a grpc context, for a relayed request."""
 
-    def __init__(self, deadline: float, stream: "_LearnerStream"):
+    def __init__(self, deadline: float, stream: "_LearnerStream", arrived: float = 0.0):
         self._deadline, self._stream = deadline, stream
+        self.arrived = arrived   # time.perf_counter() when the request reached this process
 
     def time_remaining(self) -> float | None:
         return self._deadline - time.monotonic() if self._deadline else None
@@ -284,16 +285,23 @@ class _LearnerStream:
 class _Item:
     """One relayed request on its way through the prepare and apply threads."""
 
-    __slots__ = ("stream", "slot", "data", "deadline", "job", "error")
+    __slots__ = ("stream", "slot", "data", "deadline", "arrived", "job", "error")
 
     def __init__(self, stream: _LearnerStream, slot: int, data: memoryview, deadline: float):
         self.stream, self.slot, self.data, self.deadline = stream, slot, data, deadline
+        self.arrived = time.perf_counter()
         self.job: Job | None = None
         self.error: Exception | None = None
 
 
 class Job(Protocol):
     def close(self) -> None: ...
+
+
+class Gauge(Protocol):
+    def inc(self) -> None: ...
+
+    def dec(self) -> None: ...
 
 
 #: Checks a request and starts it towards the device: (request bytes, unary, the bytes'
@@ -304,7 +312,9 @@ Apply = Callable[[Job, RelayCall], bytes]
 #: Turns an exception into (status code, details), given unary.
 Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
 
-AHEAD = 2   # prepared requests that may wait for the apply thread
+#: Prepared requests that may wait for the apply thread: with the one stepping, the
+#: CUDA backend's three upload slots (cuda.UPLOAD_SLOTS), so each request's copy is early.
+AHEAD = 2
 
 
 class RelayLearner:
@@ -316,8 +326,9 @@ class RelayLearner:
 
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
-                 close_stream: Callable[[], None]):
+                 close_stream: Callable[[], None], depth: Gauge | None = None):
         self._sock, self.slots = sock, slots
+        self._depth = depth   # counts requests from their arrival to their answer
         self._prepare, self._apply, self._refuse = prepare, apply, refuse
         self._open_stream, self._close_stream = open_stream, close_stream
         self._streams: dict[int, _LearnerStream] = {}
@@ -385,6 +396,8 @@ class RelayLearner:
                 stream.outstanding += 1
                 self._received.append(_Item(stream, slot, data, deadline))
                 self._wake.notify_all()
+                if self._depth is not None:
+                    self._depth.inc()
                 return
         # Not open (a front bug): answer, so its slot comes back.
         self._reply(_LearnerStream(sid, False), slot, grpc.StatusCode.CANCELLED,
@@ -408,8 +421,9 @@ class RelayLearner:
 
     def _prepare_loop(self) -> None:
         while True:
-            with self._lock:
-                while not self._received and not self._closing:
+            with self._lock:   # room first: a job holds one of the backend's upload slots
+                while not self._closing and (not self._received
+                                             or len(self._prepared) >= AHEAD):
                     self._wake.wait()
                 if not self._received:
                     self._prepare_done = True
@@ -424,8 +438,6 @@ class RelayLearner:
                 except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
                     item.error = exc
             with self._lock:
-                while len(self._prepared) >= AHEAD and not self._closing:
-                    self._wake.wait()
                 self._prepared.append(item)
                 self._wake.notify_all()
 
@@ -439,6 +451,8 @@ class RelayLearner:
                 item = self._prepared.popleft()
                 self._wake.notify_all()   # room for the prepare thread
             self._reply(item.stream, item.slot, *self._run(item))
+            if self._depth is not None:
+                self._depth.dec()
             with self._lock:
                 item.stream.outstanding -= 1
                 done = item.stream.ended and not item.stream.outstanding
@@ -455,18 +469,28 @@ class RelayLearner:
                                                    b"started; it was not applied")
             if item.error is not None:
                 raise item.error
-            return grpc.StatusCode.OK, self._apply(item.job, RelayCall(item.deadline, stream))
+            call = RelayCall(item.deadline, stream, item.arrived)
+            return grpc.StatusCode.OK, self._apply(item.job, call)
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
             code, details = self._refuse(exc, stream.unary)
             stream.failed = (code, details.encode())
             return stream.failed
         finally:
+            self._close(item)
+
+    @staticmethod
+    def _close(item: _Item) -> None:
+        """Give a request's job and bytes back; a failure here (a device fault, say) is logged,
+        so the apply thread lives on and every later request is still answered."""
+        try:
             if item.job is not None:
                 item.job.close()
-            try:
-                item.data.release()
-            except BufferError:   # still viewed by the batch of a refused request
-                pass
+        except Exception:  # noqa: BLE001 — see above
+            log.exception("closing a relayed request of stream %d failed", item.stream.sid)
+        try:
+            item.data.release()
+        except BufferError:   # still viewed by the batch of a refused request
+            pass
 
     def _reply(self, stream: _LearnerStream, slot: int, code: grpc.StatusCode,
                payload: bytes) -> None:

@@ -561,6 +561,11 @@ def test_16_bit_features_widened_on_the_device_match_float32(dtype, B, H):
     assert narrow.snapshot().checksum() == before
 
 
+def test_the_relay_keeps_no_more_jobs_than_there_are_upload_slots():
+    from duelq.server import cuda, relay
+    assert relay.AHEAD + 1 == cuda.UPLOAD_SLOTS
+
+
 def test_uploaded_batches_step_exactly_like_staged_ones():
     """Batches sent ahead with prepare() (more than there are upload slots, one never
     stepped) give bit for bit what the same batches give staged at their step."""

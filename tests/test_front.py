@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 import urllib.request
 
@@ -24,6 +25,7 @@ from duelq.server.checkpoint import CheckpointError
 from duelq.server.config import LearnerConfig
 from duelq.server.front import FrontServer, LearnerProcessError
 from duelq.server.learner import cuda_usable
+from duelq.server.relay import AHEAD, RelayFront, RelayLearner, SlotPool
 from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -159,8 +161,94 @@ def test_token_health_metrics_and_info(tmp_path):
         text = urllib.request.urlopen(
             f"http://127.0.0.1:{front.options.metrics_port}/metrics", timeout=5).read().decode()
         assert "duelq_steps_total 5.0" in text and "duelq_transitions_total 20.0" in text
+        assert "duelq_queue_depth 0.0" in text                  # every request counted out
+        assert 'duelq_step_latency_seconds_count 5.0' in text
     finally:
         front.stop(0)
+
+
+class _Job:
+    """A relayed job for the relay's own tests: holds one of ``free``'s slots if any."""
+
+    def __init__(self, data: memoryview, free: queue.SimpleQueue):
+        self.bad, self._free = bytes(data) == b"bad", free
+        try:
+            self.slot = free.get_nowait()
+        except queue.Empty:
+            self.slot = None
+
+    def close(self) -> None:
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self._free.put(slot)
+        if self.bad:
+            raise RuntimeError("a device fault while giving the upload back (simulated)")
+
+
+def _relay_pair(apply, free: queue.SimpleQueue):
+    learner_end, front_end = socket.socketpair()
+    slots = SlotPool(32, 4096)
+    learner = RelayLearner(learner_end, slots, lambda data, unary, address: _Job(data, free),
+                           apply, lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: None)
+    learner.start()
+    return learner, RelayFront(front_end, slots)
+
+
+def test_relay_answers_on_after_a_job_fails_to_close():
+    """A job whose close raises (a device fault) is logged; the relay's apply thread lives
+    on and later requests are answered."""
+    def apply(job, call):
+        if job.bad:
+            raise ValueError("the step failed")
+        return b"ok"
+    learner, front = _relay_pair(apply, queue.SimpleQueue())
+    try:
+        for payload, want in ((b"good", grpc.StatusCode.OK), (b"bad", grpc.StatusCode.INTERNAL),
+                              (b"good", grpc.StatusCode.OK)):
+            stream = front.open(unary=True, deadline=time.monotonic() + 10)
+            stream.submit(payload)
+            stream.done_sending()
+            answers: list = []
+            reader = threading.Thread(target=lambda: answers.extend(stream.replies()),
+                                      daemon=True)
+            reader.start()
+            reader.join(10)   # without an answer, the test fails instead of hanging
+            stream.close()
+            assert [code for code, _ in answers] == [want]
+    finally:
+        front.close()
+        learner.close()
+
+
+def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
+    """With a slow step, at most AHEAD + 1 jobs are alive (prepared, and one stepping), so
+    each finds one of CudaBackend's AHEAD + 1 upload slots and none is packed at its step
+    (test_cuda checks that the two counts agree)."""
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for slot in range(AHEAD + 1):
+        free.put(slot)
+    jobs = []
+
+    def apply(job, call):
+        jobs.append(job.slot)
+        time.sleep(0.002)   # the step; it gives its upload back before it answers
+        job.close()
+        return b"ok"
+    learner, front = _relay_pair(apply, free)
+    try:
+        streams = [front.open(unary=False, deadline=None) for _ in range(4)]
+        for stream in streams:
+            for _ in range(25):
+                assert stream.submit(b"x")
+            stream.done_sending()
+        for stream in streams:
+            assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 25
+            stream.close()
+        assert len(jobs) == 100 and None not in jobs
+    finally:
+        front.close()
+        learner.close()
 
 
 def _free_port() -> int:

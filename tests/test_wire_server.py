@@ -170,6 +170,22 @@ def test_a_batch_read_in_place_records_where_its_arrays_lie(weights):
     assert decode_batch(parse_train_request(data), keep_16bit=True).span is None
 
 
+@pytest.mark.parametrize("field", ["rewards", "weights"])
+def test_a_vector_widened_on_decode_gets_no_span(field):
+    """A bfloat16 vector is decoded into a new float32 array, not a view of its 2-byte
+    payload: the batch must not claim its bytes lie in the request (the device would read
+    twice the payload, past the message for the last field)."""
+    from duelq.client.tensors import tensor_wire
+    batch = random_batch(np.random.default_rng(6), 9)
+    parts: list = []
+    for number, name in enumerate(TENSOR_FIELDS, 1):
+        parts += tensor_wire(number, getattr(batch, name), name,
+                             wire="bfloat16" if name == field else None)
+    data = bytearray(b"".join(parts))
+    read = decode_batch(parse_train_request(memoryview(data)), keep_16bit=True, address=4096)
+    assert getattr(read, field).dtype == np.float32 and read.span is None
+
+
 def test_unknown_fields_and_bad_utf8_fall_back_to_upb():
     good = encode_batch_wire(random_batch(np.random.default_rng(1), 4), actor_id="a", seq=1)
     unknown = good + b"\x48\x01"                       # field 9, varint: unknown to us
