@@ -263,16 +263,20 @@ def health_check(args: argparse.Namespace) -> int:
     return EXIT_OK if answer.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
 
 
-def setup_logging(level: str, fmt: str) -> None:
-    """Root logging to stderr as text, or as JSON lines (python-json-logger)."""
+def setup_logging(level: str, fmt: str, role: str = "") -> None:
+    """Root logging to stderr as text, or as JSON lines (python-json-logger); ``role`` tags
+    every line of a second process (``--front-process``'s learner)."""
     handler = logging.StreamHandler()
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
         handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
                                            rename_fields={"levelname": "level",
-                                                          "asctime": "time"}))
+                                                          "asctime": "time"},
+                                           static_fields={"process": role} if role else None))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = f" [{role}]" if role else ""
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 

@@ -42,7 +42,7 @@ from .config import LearnerConfig
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
-from .service import TrainJob, refusal
+from .service import TrainJob, refusal, too_many_streams
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class FrontServer:
         self._slots: SlotPool | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
+        # Refused at open, as the one-process server does (the learner process counts too).
+        self._streams = threading.BoundedSemaphore(options.max_streams)
 
     @property
     def target(self) -> str:
@@ -230,6 +232,16 @@ class FrontServer:
 
     def _train_stream(self, requests: Iterator[bytes],
                       context: grpc.ServicerContext) -> Iterator[bytes]:
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_many_streams(
+                self.options.max_streams))
+        try:
+            yield from self._relay_stream(requests, context)
+        finally:
+            self._streams.release()
+
+    def _relay_stream(self, requests: Iterator[bytes],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
         stream = self._open(context, unary=False)
 
         def feed() -> None:   # keeps reading while earlier requests are learned on
@@ -285,7 +297,7 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
                  backend: str, address: str, log_setup: tuple[str, str]) -> None:
     """The learner process: a LearnerServer on ``address`` plus the relay's learner end."""
     from .cli import setup_logging
-    setup_logging(*log_setup)
+    setup_logging(*log_setup, role="learner")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front decides when to stop
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -393,11 +393,11 @@ class RelayLearner:
         with self._lock:
             stream = self._streams.get(sid)
             if stream is not None:
+                if self._depth is not None:   # before the apply thread can count it out
+                    self._depth.inc()
                 stream.outstanding += 1
                 self._received.append(_Item(stream, slot, data, deadline))
                 self._wake.notify_all()
-                if self._depth is not None:
-                    self._depth.inc()
                 return
         # Not open (a front bug): answer, so its slot comes back.
         self._reply(_LearnerStream(sid, False), slot, grpc.StatusCode.CANCELLED,

@@ -163,6 +163,11 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False,
                  batch.discounts, batch.weights, span)
 
 
+def too_many_streams(limit: int) -> str:
+    """What the server says to a TrainStream past ``max_streams``."""
+    return f"too many concurrent TrainStreams (limit {limit})"
+
+
 def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
     which = ref.WhichOneof("ref")
     if which is None:
@@ -348,8 +353,7 @@ class LearnerService(pb_grpc.LearnerServicer):
     def open_stream(self) -> None:
         """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""
         if not self._streams.acquire(blocking=False):
-            raise ResourceExhausted(f"too many concurrent TrainStreams "
-                                    f"(limit {self.limits.max_streams})")
+            raise ResourceExhausted(too_many_streams(self.limits.max_streams))
 
     def close_stream(self) -> None:
         self._streams.release()

@@ -32,4 +32,11 @@ def test_json_log_lines(capsys):
     line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert line["message"] == "hello world"
     assert line["level"] == "INFO" and line["name"] == "duelq.test" and "time" in line
+    assert "process" not in line
+    setup_logging("INFO", "json", role="learner")   # --front-process's learner process
+    logging.getLogger("duelq.test").info("tagged")
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["process"] == "learner"
+    setup_logging("INFO", "text", role="learner")
+    logging.getLogger("duelq.test").info("tagged")
+    assert "duelq.test [learner]: tagged" in capsys.readouterr().err
     setup_logging("WARNING", "text")

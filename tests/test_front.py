@@ -136,6 +136,8 @@ def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server):
         assert next(first).step == len(batches) + 1
         code, details = _refusal(lambda: next(stub.TrainStream(iter([encode_batch(batches[1])]))))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "TrainStreams" in details
+        code, _ = _refusal(lambda: list(stub.TrainStream(iter(()))))   # at open, as one
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED               # process refuses
         feed.put(None)
         assert list(first) == []
     finally:
