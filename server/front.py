@@ -39,6 +39,7 @@ from duelq.v1 import learner_pb2 as pb
 
 from .checkpoint import CheckpointError
 from .config import LearnerConfig
+from .errors import ResourceExhausted
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
@@ -232,9 +233,9 @@ class FrontServer:
 
     def _train_stream(self, requests: Iterator[bytes],
                       context: grpc.ServicerContext) -> Iterator[bytes]:
-        if not self._streams.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_many_streams(
-                self.options.max_streams))
+        if not self._streams.acquire(blocking=False):   # logged; not in the learner's metrics
+            context.abort(*refusal(ResourceExhausted(too_many_streams(self.options.max_streams)),
+                                   "TrainStream", context.peer()))
         try:
             yield from self._relay_stream(requests, context)
         finally:

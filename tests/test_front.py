@@ -8,6 +8,7 @@ mid-stream drain-and-resume test against a front-process `duelq serve`.
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -111,7 +112,7 @@ def test_refuses_like_the_one_process_server(pair):
     assert want[3] == 1 and want[4] == (True, 1)
 
 
-def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server):
+def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, caplog):
     """max_streams holds; requests beyond the slot size go through the socket and more
     requests than slots are in flight at once: all answered, same results."""
     options = dict(max_streams=1, max_rpcs=4, relay_slots=2, relay_slot_mb=1 / 16)
@@ -136,8 +137,10 @@ def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server):
         assert next(first).step == len(batches) + 1
         code, details = _refusal(lambda: next(stub.TrainStream(iter([encode_batch(batches[1])]))))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "TrainStreams" in details
-        code, _ = _refusal(lambda: list(stub.TrainStream(iter(()))))   # at open, as one
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED               # process refuses
+        with caplog.at_level(logging.INFO, logger="duelq.server.service"):
+            code, _ = _refusal(lambda: list(stub.TrainStream(iter(()))))  # at open, as one
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED                 # process refuses
+        assert "TrainStream from" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
         feed.put(None)
         assert list(first) == []
     finally:
