@@ -18,7 +18,11 @@ FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 class HostSpan:
     """Where a batch's arrays lie: each is a view of the host bytes [address, address +
     nbytes) (a request read in place from the front process's slot pool), so a device
-    backend may copy those bytes at once and unpack them on the device."""
+    backend may copy those bytes at once and unpack them on the device.
+
+    ``service.decode_batch`` makes one only for arrays that view exactly their payload, and
+    :func:`validate_batch` drops it when it converts any array, so a validated batch's span
+    holds its arrays in the dtypes the backend gets (int32 actions, float32 vectors)."""
 
     address: int                # host address of the first byte
     nbytes: int                 # bytes from there that hold every array

@@ -146,21 +146,20 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False,
     ``address``: where the request's bytes lie in host memory, when they were parsed in
     place (server/wire.py); the batch then records where its arrays are (``Batch.span``)."""
     has_weights = request.HasField("weights")
-    batch = Batch(h_t=_features(request, "h_t", keep_16bit),
-                  h_tp1=_features(request, "h_tp1", keep_16bit),
-                  actions=_required(request, "actions"), rewards=_required(request, "rewards"),
-                  dones=_required(request, "dones"), discounts=_required(request, "discounts"),
-                  weights=decode(request.weights, "weights") if has_weights else None)
-    if address is None or not isinstance(request, WireTrainRequest):
-        return batch
-    tensors = [getattr(request, name) for name in TENSOR_FIELDS[:7 if has_weights else 6]]
-    sizes = tuple(len(t.data) for t in tensors)
-    if any(a.nbytes != n for a, n in zip(batch.arrays(), sizes)):
-        return batch   # one was widened (a bfloat16 vector, say): not a view of its bytes
-    offsets = tuple(t.offset for t in tensors)
-    span = HostSpan(address, max(o + n for o, n in zip(offsets, sizes)), offsets, sizes)
-    return Batch(batch.h_t, batch.h_tp1, batch.actions, batch.rewards, batch.dones,
-                 batch.discounts, batch.weights, span)
+    arrays = (_features(request, "h_t", keep_16bit), _features(request, "h_tp1", keep_16bit),
+              _required(request, "actions"), _required(request, "rewards"),
+              _required(request, "dones"), _required(request, "discounts"),
+              decode(request.weights, "weights") if has_weights else None)
+    span = None
+    if address is not None and isinstance(request, WireTrainRequest):
+        tensors = [getattr(request, name) for name in TENSOR_FIELDS[:7 if has_weights else 6]]
+        sizes = tuple(len(t.data) for t in tensors)
+        # Only when none was widened (a bfloat16 vector, say): each a view of its bytes.
+        if all(a.nbytes == n for a, n in zip(arrays, sizes)):
+            offsets = tuple(t.offset for t in tensors)
+            span = HostSpan(address, max(o + n for o, n in zip(offsets, sizes)), offsets,
+                            sizes)
+    return Batch(*arrays, span=span)
 
 
 def too_many_streams(limit: int) -> str:
