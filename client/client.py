@@ -108,6 +108,11 @@ VECTOR_KINDS = {"actions": "iu", "rewards": "f", "dones": "fiub", "discounts": "
                 "weights": "f"}
 
 
+#: Vector dtypes sent as they are (the rest are widened or narrowed to these).
+_SENT_AS_IS = frozenset(map(np.dtype, (np.float32, np.float16, np.int32, np.uint8, np.bool_)))
+_FEATURE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+
+
 def _vector(name: str, value, rows: int) -> np.ndarray:
     """A [rows] vector in a wire dtype: float64 → float32, wide ints → int32."""
     if not isinstance(value, np.ndarray):
@@ -118,9 +123,11 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
         kinds = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
         wanted = " or ".join(dict.fromkeys(kinds[k] for k in VECTOR_KINDS[name]))
         raise _bad(name, f"must be {wanted}, got {value.dtype}")
-    if value.dtype.kind == "f" and value.dtype not in (np.float32, np.float16):
+    if value.dtype in _SENT_AS_IS:
+        return value
+    if value.dtype.kind == "f":
         return value.astype(np.float32)
-    if value.dtype.kind in "iu" and value.dtype not in (np.int32, np.uint8):
+    if value.dtype.kind in "iu":
         if value.size and (value.min() < np.iinfo(np.int32).min
                            or value.max() > np.iinfo(np.int32).max):
             raise _bad(name, "values do not fit in int32")
@@ -141,7 +148,7 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
         raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
     if value.dtype.kind != "f":
         raise _bad(name, f"must be floating point, got {value.dtype}")
-    if wire != "bfloat16" and value.dtype.name != wire:
+    if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES[wire]:
         value = value.astype(wire)
     return value
 

@@ -13,6 +13,7 @@ the server (decode requests, encode responses).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import ml_dtypes
@@ -107,10 +108,9 @@ def wire_array(array: np.ndarray, field: str, *,
                wire: str | None = None) -> tuple[int, tuple[int, ...], np.ndarray]:
     """:func:`encode`'s checks and conversion: (dtype enum, shape, the raw data as a
     C-contiguous little-endian array), without copying data that is already so."""
-    if wire is None and type(array) is np.ndarray and 1 <= array.ndim <= MAX_NDIM \
-            and array.flags.c_contiguous:
+    if type(array) is np.ndarray and 1 <= array.ndim <= MAX_NDIM and array.flags.c_contiguous:
         enum = _ENUM_BY_RAW.get(array.dtype)  # the common case, without the checks' cost
-        if enum is not None:
+        if enum is not None and (wire is None or wire == _BY_ENUM[enum][0]):
             return enum, array.shape, array
     a = np.asarray(array)
     name = wire or a.dtype.name
@@ -149,13 +149,20 @@ def tensor_wire(number: int, array: np.ndarray, field: str, *,
     as :func:`encode` (shape packed, as proto3 writes it).
     """
     enum, shape, data = wire_array(array, field, wire=wire)
+    head = _tensor_head(number, enum, shape, data.nbytes)
+    return [head, memoryview(data).cast("B")] if data.nbytes else [head]
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_head(number: int, enum: int, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """Field ``number``'s tag and length, then the Tensor's dtype, shape and data's length:
+    the same for every batch of one shape, so built once (a step's 7 cost ≈ 50 µs)."""
     dims = b"".join(varint(d) for d in shape)
     head = b"\x08" + varint(enum) + (b"\x12" + varint(len(dims)) + dims if dims else b"")
-    if not data.nbytes:
-        return [varint(number << 3 | 2) + varint(len(head)) + head]
-    head += b"\x1a" + varint(data.nbytes)
-    return [varint(number << 3 | 2) + varint(len(head) + data.nbytes) + head,
-            memoryview(data).cast("B")]
+    if not nbytes:
+        return varint(number << 3 | 2) + varint(len(head)) + head
+    head += b"\x1a" + varint(nbytes)
+    return varint(number << 3 | 2) + varint(len(head) + nbytes) + head
 
 
 def decode(tensor: pb.Tensor, field: str, *, widen: bool = True) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,21 @@ def test_wire_request_parses_to_the_protobuf_built_one(wire, rows, weights):
     message.key.actor_id, message.key.seq = "actor-é", 2 ** 40 + 3
     data = encode_batch_wire(batch, feature_dtype=wire, actor_id="actor-é", seq=2 ** 40 + 3)
     assert pb.TrainRequest.FromString(data) == message
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16"])
+def test_foreign_dtypes_encode_as_their_native_equivalents(wire):
+    """Big-endian, wider and narrower dtypes take the converting path, not the fast one;
+    one header built for a shape serves every batch of that shape, and only it."""
+    batch = random_batch(np.random.default_rng(5), 9)
+    native = encode_batch_wire(batch, feature_dtype=wire, actor_id="a", seq=1)
+    foreign = replace(batch, h_t=batch.h_t.astype(">f4"), h_tp1=batch.h_tp1.astype(np.float64),
+                      actions=batch.actions.astype(np.uint16),
+                      rewards=batch.rewards.astype(">f4"), weights=batch.weights.astype(">f8"))
+    assert encode_batch_wire(foreign, feature_dtype=wire, actor_id="a", seq=1) == native
+    other = random_batch(np.random.default_rng(6), 10)
+    assert pb.TrainRequest.FromString(encode_batch_wire(other, feature_dtype=wire)) == \
+        encode_batch(other, feature_dtype=wire)
 
 
 @pytest.mark.parametrize("array, wire", [
