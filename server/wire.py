@@ -20,6 +20,8 @@ the server answers INVALID_ARGUMENT) is exactly upb's.
 
 from __future__ import annotations
 
+import threading
+
 from duelq.v1 import learner_pb2 as pb
 
 TENSOR_FIELDS = ("h_t", "h_tp1", "actions", "rewards", "dones", "discounts", "weights")
@@ -120,6 +122,59 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
     return WireTensor(dtype, shape, payload, offset)
 
 
+class _Layout:
+    """Where the fields of one canonical request lie, and the bytes that say so.
+
+    The parse reads only framing: each field's tag and length and, inside a Tensor, its
+    dtype, shape and data length, which sit in one run of bytes before the data (``heads``:
+    (offset, bytes) per field).  A request of the same length with the same bytes in those
+    runs therefore parses to the same fields at the same offsets: only the data and the
+    key's contents differ.  Actors send one shape of batch after another, so the parse of
+    their requests is mostly these few comparisons.
+    """
+
+    __slots__ = ("heads", "tensors", "key")
+
+    def __init__(self, heads: tuple, tensors: tuple, key: tuple[int, int] | None):
+        self.heads = heads        # ((offset, bytes), …), one per field
+        self.tensors = tensors    # ((name, dtype, shape, data start, data stop), …)
+        self.key = key            # (start, stop) of the key's contents, or None
+
+    def matches(self, data) -> bool:
+        return all(data[at:at + len(head)] == head for at, head in self.heads)
+
+    def read(self, data, view: memoryview) -> WireTrainRequest | None:
+        present: dict = {name: WireTensor(dtype, shape, view[start:stop] if stop > start
+                                          else _EMPTY, start)
+                         for name, dtype, shape, start, stop in self.tensors}
+        if self.key is not None:
+            key = _key(data, *self.key)
+            if key is None:
+                return None
+            present["key"] = key
+        return WireTrainRequest(present)
+
+
+_LAYOUTS: dict[int, _Layout] = {}   # by request length: the last layout seen
+_LAYOUTS_MAX = 64
+_layouts_lock = threading.Lock()
+
+
+def _remember(n: int, layout: _Layout) -> None:
+    with _layouts_lock:
+        _LAYOUTS.pop(n, None)
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            del _LAYOUTS[next(iter(_LAYOUTS))]   # the oldest
+        _LAYOUTS[n] = layout
+
+
+def _key(data, start: int, stop: int) -> pb.RequestKey | None:
+    try:
+        return pb.RequestKey.FromString(bytes(data[start:stop]))
+    except Exception:  # noqa: BLE001 — upb's DecodeError: let the full parse say it
+        return None
+
+
 def parse_train_request(data) -> WireTrainRequest | None:
     """``data`` (bytes, or a flat byte memoryview such as a shared-memory slot) in the
     canonical encoding as a :class:`WireTrainRequest`; None otherwise."""
@@ -132,7 +187,10 @@ def parse_train_request(data) -> WireTrainRequest | None:
     else:
         return None
     n = len(data)
-    present: dict = {}
+    layout = _LAYOUTS.get(n)
+    if layout is not None and layout.matches(data):
+        return layout.read(data, view)
+    heads, tensors, key = [], [], None
     pos, last = 0, 0
     try:
         while pos < n:
@@ -140,22 +198,27 @@ def parse_train_request(data) -> WireTrainRequest | None:
             field = tag >> 3
             if tag & 7 != 2 or not last < field <= 8:   # also rejects multi-byte tags
                 return None
-            last = field
+            last, begin = field, pos
             length, pos = _varint(data, pos + 1, n)
             end = pos + length
             if end > n:
                 return None
             if field == 8:
-                try:
-                    present["key"] = pb.RequestKey.FromString(bytes(data[pos:end]))
-                except Exception:  # noqa: BLE001 — upb's DecodeError: let the full parse say it
-                    return None
+                key = (pos, end)
+                heads.append((begin, bytes(data[begin:pos])))
             else:
-                present[TENSOR_FIELDS[field - 1]] = _tensor(data, view, pos, end)
+                t = _tensor(data, view, pos, end)
+                tensors.append((TENSOR_FIELDS[field - 1], t.dtype, t.shape, t.offset,
+                                t.offset + len(t.data)))
+                heads.append((begin, bytes(data[begin:t.offset])))
             pos = end
     except _Fallback:
         return None
-    return WireTrainRequest(present)
+    layout = _Layout(tuple(heads), tuple(tensors), key)
+    request = layout.read(data, view)
+    if request is not None:
+        _remember(n, layout)
+    return request
 
 
 def train_request_deserializer(data: bytes | memoryview):

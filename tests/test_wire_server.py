@@ -9,6 +9,8 @@ the zero-copy path.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import numpy as np
 import pytest
@@ -16,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from duelq.client.client import encode_batch_wire
+from duelq.client.tensors import tensor_wire
 from duelq.client.errors import InvalidArgument as ClientInvalidArgument
 from duelq.server.errors import InvalidArgument
 from duelq.server.service import decode_batch
+from duelq.server import wire
 from duelq.server.wire import (TENSOR_FIELDS, WireTrainRequest, parse_train_request,
                                train_request_deserializer)
 from duelq.v1 import learner_pb2 as pb
@@ -126,6 +130,44 @@ def test_mutated_bytes_parse_as_upb_does(message, data):
         else:                   # a field put in front of the others (non-canonical order)
             raw[:0] = data.draw(messages()).SerializeToString()
     check_bytes(bytes(raw))
+
+
+@SETTINGS
+@given(messages(), st.data())
+def test_a_remembered_layout_serves_only_requests_it_fits(message, data):
+    """After one request, a second of the same length (its data bytes rewritten, or any
+    byte at all) parses as upb parses it: the remembered layout applies only when every
+    framing byte is the same."""
+    raw = message.SerializeToString()
+    parse_train_request(raw)
+    other = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        if other:
+            other[data.draw(st.integers(0, len(other) - 1))] = data.draw(st.integers(0, 255))
+    check_bytes(bytes(other))
+
+
+def test_a_remembered_layout_is_used_and_keyed_by_every_framing_byte():
+    rng = np.random.default_rng(8)
+    first, second = random_batch(rng, 12), random_batch(rng, 12)
+    a = encode_batch_wire(first, actor_id="a", seq=5)
+    b = encode_batch_wire(second, actor_id="b", seq=6)
+    assert len(a) == len(b)
+    parse_train_request(a)
+    layout = wire._LAYOUTS[len(a)]
+    fast = parse_train_request(b)
+    assert wire._LAYOUTS[len(b)] is layout            # served from it, not re-parsed
+    same_request(fast, pb.TrainRequest.FromString(b))
+    # The same length, float32 actions instead of int32: one dtype byte differs.
+    floats = replace(second, actions=second.actions.astype(np.float32))
+    parts: list = []
+    for number, name in enumerate(TENSOR_FIELDS, 1):
+        parts += tensor_wire(number, getattr(floats, name), name)
+    c = b"".join(parts) + a[len(b"".join(parts)):]
+    assert len(c) == len(a) and c != a
+    got = parse_train_request(c)
+    assert got.actions.dtype == pb.DTYPE_FLOAT32
+    same_request(got, pb.TrainRequest.FromString(c))
 
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
