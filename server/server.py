@@ -196,22 +196,42 @@ class BearerAuth(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
+    def admits(self, details: grpc.HandlerCallDetails) -> bool:
+        if details.method.startswith(HEALTH_PREFIX):
+            return True
+        got = dict(details.invocation_metadata).get("authorization", "")
+        return hmac.compare_digest(got.encode() if isinstance(got, str) else got,
+                                   self._expected)
+
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
+        if handler is None or self.admits(details):
             return handler
-        got = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        return _same_shape(handler, _deny, handler.request_deserializer)
+
+
+class AioBearerAuth(grpc.aio.ServerInterceptor):
+    """:class:`BearerAuth` for a ``grpc.aio`` server (the front process's)."""
+
+    def __init__(self, token: str):
+        self._check = BearerAuth(token)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or self._check.admits(details):
             return handler
-        return _deny(handler)
+        return _same_shape(handler, _aio_deny, handler.request_deserializer)
 
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
-    def deny(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+_DENIED = "missing or wrong bearer token"
 
-    return _same_shape(handler, deny, handler.request_deserializer)
+
+def _deny(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+async def _aio_deny(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
 
 
 def _same_shape(handler: grpc.RpcMethodHandler, behaviour,
@@ -267,15 +287,18 @@ def auth_interceptors(options: ServerOptions) -> tuple[grpc.ServerInterceptor, .
     return (BearerAuth(token),) if token else ()
 
 
+def server_args(options: ServerOptions) -> list[tuple[str, int]]:
+    """The gRPC server arguments of ``options``: message-size limits, no shared port."""
+    size = options.max_message_bytes
+    return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+            ("grpc.so_reuseport", 0)]  # a port in use is an error, not shared
+
+
 def grpc_server(options: ServerOptions, interceptors: tuple) -> grpc.Server:
     """grpc's sync server with ``options``' thread and message-size limits."""
-    size = options.max_message_bytes
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_rpcs, thread_name_prefix="duelq-rpc"),
-        interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", size),
-                 ("grpc.max_send_message_length", size),
-                 ("grpc.so_reuseport", 0)],  # a port in use is an error, not shared
+        interceptors=interceptors, options=server_args(options),
         maximum_concurrent_rpcs=options.max_rpcs)
 
 
@@ -284,11 +307,16 @@ def add_health_and_reflection(server: grpc.Server) -> health.HealthServicer:
     services; returns the health servicer."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    add_reflection(server)
+    set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
+
+
+def add_reflection(server: grpc.Server | grpc.aio.Server) -> None:
+    """Reflection of the Learner, Health and reflection services."""
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return servicer
 
 
 def set_health(servicer: health.HealthServicer, status: int) -> None:

@@ -8,6 +8,7 @@ mid-stream drain-and-resume test against a front-process `duelq serve`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import socket
@@ -190,14 +191,18 @@ class _Job:
             raise RuntimeError("a device fault while giving the upload back (simulated)")
 
 
-def _relay_pair(apply, free: queue.SimpleQueue):
+async def _relay_pair(apply, free: queue.SimpleQueue):
     learner_end, front_end = socket.socketpair()
     slots = SlotPool(32, 4096)
     learner = RelayLearner(learner_end, slots, lambda data, unary, address: _Job(data, free),
                            apply, lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
                            open_stream=lambda: None, close_stream=lambda: None)
     learner.start()
-    return learner, RelayFront(front_end, slots)
+    return learner, await RelayFront.connect(front_end, slots)
+
+
+async def _answers(stream) -> list:
+    return [code async for code, _ in stream.replies()]
 
 
 def test_relay_answers_on_after_a_job_fails_to_close():
@@ -207,23 +212,24 @@ def test_relay_answers_on_after_a_job_fails_to_close():
         if job.bad:
             raise ValueError("the step failed")
         return b"ok"
-    learner, front = _relay_pair(apply, queue.SimpleQueue())
-    try:
-        for payload, want in ((b"good", grpc.StatusCode.OK), (b"bad", grpc.StatusCode.INTERNAL),
-                              (b"good", grpc.StatusCode.OK)):
-            stream = front.open(unary=True, deadline=time.monotonic() + 10)
-            stream.submit(payload)
-            stream.done_sending()
-            answers: list = []
-            reader = threading.Thread(target=lambda: answers.extend(stream.replies()),
-                                      daemon=True)
-            reader.start()
-            reader.join(10)   # without an answer, the test fails instead of hanging
-            stream.close()
-            assert [code for code, _ in answers] == [want]
-    finally:
-        front.close()
-        learner.close()
+
+    async def run():
+        learner, front = await _relay_pair(apply, queue.SimpleQueue())
+        try:
+            for payload, want in ((b"good", grpc.StatusCode.OK),
+                                  (b"bad", grpc.StatusCode.INTERNAL),
+                                  (b"good", grpc.StatusCode.OK)):
+                stream = front.open(unary=True, deadline=time.monotonic() + 10)
+                await stream.submit(payload)
+                stream.done_sending()
+                # without an answer, the test fails instead of hanging
+                answers = await asyncio.wait_for(_answers(stream), 10)
+                stream.close()
+                assert answers == [want]
+        finally:
+            await front.close()
+            learner.close()
+    asyncio.run(run())
 
 
 def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
@@ -240,20 +246,24 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
         time.sleep(0.002)   # the step; it gives its upload back before it answers
         job.close()
         return b"ok"
-    learner, front = _relay_pair(apply, free)
-    try:
-        streams = [front.open(unary=False, deadline=None) for _ in range(4)]
-        for stream in streams:
-            for _ in range(25):
-                assert stream.submit(b"x")
-            stream.done_sending()
-        for stream in streams:
-            assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 25
-            stream.close()
-        assert len(jobs) == 100 and None not in jobs
-    finally:
-        front.close()
-        learner.close()
+
+    async def run():
+        learner, front = await _relay_pair(apply, free)
+        try:
+            streams = [front.open(unary=False, deadline=None) for _ in range(4)]
+            for stream in streams:
+                for _ in range(25):
+                    assert await stream.submit(b"x")
+                stream.done_sending()
+            for stream in streams:
+                answers = await asyncio.wait_for(_answers(stream), 30)
+                assert answers == [grpc.StatusCode.OK] * 25
+                stream.close()
+            assert len(jobs) == 100 and None not in jobs
+        finally:
+            await front.close()
+            learner.close()
+    asyncio.run(run())
 
 
 def _free_port() -> int:

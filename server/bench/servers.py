@@ -22,6 +22,7 @@ from ..config import LearnerConfig
 from ..learner import Learner
 from ..reference import ReferenceBackend
 from ..server import LearnerServer, ServerOptions
+from ..server import server_args as duelq_server_args
 from ..state import LearnerState
 from .base import ACTOR_TIMEOUT_S, BenchError, cpu_seconds
 
@@ -268,9 +269,7 @@ def _echo_handler(fn) -> grpc.GenericRpcHandler:
 
 def server_args(options: ServerOptions, extra: Iterable = ()) -> list:
     """The channel arguments of duelq's own server (server/server.py), plus ``extra``."""
-    return [("grpc.max_receive_message_length", options.max_message_bytes),
-            ("grpc.max_send_message_length", options.max_message_bytes),
-            ("grpc.so_reuseport", 0), *extra]
+    return [*duelq_server_args(options), *extra]
 
 
 class EchoServer:
