@@ -148,7 +148,7 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
         raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
     if value.dtype.kind != "f":
         raise _bad(name, f"must be floating point, got {value.dtype}")
-    if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES[wire]:
+    if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES.get(wire):
         value = value.astype(wire)
     return value
 

@@ -79,7 +79,6 @@ class FrontServer:
         self.port: int | None = None
         self.broken = threading.Event()
         """Set when the learner process died (not on an orderly stop)."""
-        self._dir = Path(tempfile.mkdtemp(prefix="duelq-"))   # 0700: the learner's socket
         self._relay: RelayFront | None = None
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
@@ -90,18 +89,19 @@ class FrontServer:
         self._stopping = False
         self._streams = 0   # open TrainStreams: refused at open past max_streams, as in one
         #                     process (the learner process counts too)
+        token = options.bearer_token()   # before anything that would need undoing
+        self._dir = Path(tempfile.mkdtemp(prefix="duelq-"))   # 0700: the learner's socket
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duelq-front",
                                         daemon=True)
         self._thread.start()
-        self._server, self.health = self._run(self._build())
+        self._server, self.health = self._run(self._build(token))
 
     def _run(self, coro, timeout: float | None = None):
         """Run ``coro`` on the front's event loop; its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _build(self) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-        token = self.options.bearer_token()
+    async def _build(self, token: str) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
         server = grpc.aio.server(
             interceptors=(AioBearerAuth(token),) if token else (),
             options=server_args(self.options),
@@ -190,8 +190,11 @@ class FrontServer:
     def _learner_gone(self) -> None:
         if not self._stopping:
             log.error("the learner process went away: NOT_SERVING")
-            self._loop.create_task(self._set_health(self.health, NOT_SERVING))
-            self.broken.set()
+            self._loop.create_task(self._gone())
+
+    async def _gone(self) -> None:
+        await self._set_health(self.health, NOT_SERVING)
+        self.broken.set()
 
     def stop(self, grace_s: float | None = None) -> tuple[Path, int] | None:
         """NOT_SERVING; the learner process drains and writes its final checkpoint; gRPC
@@ -210,13 +213,16 @@ class FrontServer:
                     log.error("the learner process did not exit: killing it")
                     self._process.kill()
         finally:
-            self._run(self._shut(grace))
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            if self._slots is not None:   # after the handlers that write into it
-                self._slots.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
-            log.info("stopped")
+            try:
+                self._run(self._shut(grace))
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10)
+                self._loop.close()
+                if self._slots is not None:   # after the handlers that write into it
+                    self._slots.close()
+                shutil.rmtree(self._dir, ignore_errors=True)
+                log.info("stopped")
         if failure is not None:
             raise failure
         return saved
@@ -229,6 +235,7 @@ class FrontServer:
         if self._channel is not None:
             await self._channel.close()
         await self._server.stop(grace)
+        await self._loop.shutdown_asyncgens()
 
     def _stop_learner(self) -> tuple[tuple[Path, int] | None, Exception | None]:
         """Ask the learner process to drain and checkpoint: (saved, failure)."""
@@ -253,9 +260,13 @@ class FrontServer:
         try:
             if relay is None:
                 raise RelayClosed("the learner's backend is still starting; retry shortly")
-            return relay.open(unary=unary, deadline=_deadline(context))
+            stream = relay.open(unary=unary, deadline=_deadline(context))
         except RelayClosed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Cancelled or past its deadline: END at once, so requests not started are not
+        # applied (the one-process server's rule), whenever the handler itself unwinds.
+        context.add_done_callback(lambda _: stream.close())
+        return stream
 
     async def _train_step(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         stream = await self._open(context, unary=True)
@@ -277,6 +288,7 @@ class FrontServer:
                 ResourceExhausted(too_many_streams(self.options.max_streams)),
                 "TrainStream", context.peer()))
         self._streams += 1
+        context.add_done_callback(self._stream_done)
         stream = feeder = None
         try:
             stream = await self._open(context, unary=False)
@@ -288,12 +300,14 @@ class FrontServer:
             if not self._relay.alive:   # requests may have been dropped unanswered
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went "
                                     "away; retry with the same keys")
-        finally:   # also on cancellation or a passed deadline: requests not started are dropped
-            self._streams -= 1
+        finally:
             if feeder is not None:
                 feeder.cancel()
             if stream is not None:
                 stream.close()
+
+    def _stream_done(self, _) -> None:
+        self._streams -= 1
 
     @staticmethod
     async def _feed(requests: AsyncIterator[bytes], stream: FrontStream) -> None:

@@ -44,6 +44,9 @@ _FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: n
 _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 INLINE = -1
+#: Requests up to this size are copied into their slot on the front's event loop; larger
+#: ones (≈ 0.5 ms and up) on a worker thread, so that other calls are not held up.
+LOOP_COPY_MAX = 4 << 20
 
 
 class RelayClosed(Exception):
@@ -112,9 +115,6 @@ class FrontStream:
         slot = await self._relay.take_slot(self)
         if slot is None:
             return False
-        if self.closed:
-            self._relay.give_back(slot)
-            return False
         self._pending += 1
         try:
             await self._relay.send_request(self.sid, slot, data, self._deadline)
@@ -158,7 +158,7 @@ class RelayFront:
         for i in range(slots.count):
             self._free.put_nowait(i)
         self._streams: dict[int, FrontStream] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.cycle(range(1, 1 << 32))   # a frame's 32-bit stream id
         self.alive = True
         self.on_close: Callable[[], None] = lambda: None
         self._task = asyncio.ensure_future(self._read_replies())
@@ -169,37 +169,50 @@ class RelayFront:
         return cls(reader, writer, slots)
 
     def open(self, *, unary: bool, deadline: float | None) -> FrontStream:
-        stream = FrontStream(self, next(self._ids), deadline)
+        sid = next(self._ids)
+        while sid in self._streams:   # after 2**32 calls: skip the ones still open
+            sid = next(self._ids)
+        stream = FrontStream(self, sid, deadline)
         self._send(_FRAME.pack(OPEN, stream.sid, int(unary), 0, 0.0))
         self._streams[stream.sid] = stream
         return stream
 
     async def take_slot(self, stream: FrontStream) -> int | None:
-        """A free slot (waits while all are in use); None if the stream or relay closed."""
-        while not stream.closed and self.alive:
-            if not self._free.empty():
-                return self._free.get_nowait()
-            try:
-                return await asyncio.wait_for(self._free.get(), 0.1)
-            except TimeoutError:
-                continue
-        return None
+        """A free slot (waits while all are in use); None if the stream or relay closed.
+
+        A call that ends while waiting is cancelled here (its task is), and the slot stays
+        in the queue: asyncio.Queue.get takes an item only once its task runs on."""
+        if stream.closed or not self.alive:
+            return None
+        slot = await self._free.get()
+        if slot is None:                  # the relay closed: wake the next waiter too
+            self._free.put_nowait(None)
+            return None
+        if stream.closed:
+            self.give_back(slot)
+            return None
+        return slot
 
     def give_back(self, slot: int) -> None:
         self._free.put_nowait(slot)
 
     async def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
-        if len(data) <= self.slots.size:
-            self.slots.write(slot, data)
-            self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
-        else:  # larger than a slot: inline (the slot still counts the request in flight)
+        if len(data) > self.slots.size:   # inline (the slot still counts it in flight)
             self._send(_FRAME.pack(REQ, sid, INLINE - slot, len(data), deadline), data)
             await self._writer.drain()
+            return
+        if len(data) <= LOOP_COPY_MAX:
+            self.slots.write(slot, data)
+        else:   # off the loop (the copy releases the GIL), so other calls go on meanwhile
+            await asyncio.to_thread(self.slots.write, slot, data)
+        self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
 
     def end(self, stream: FrontStream) -> None:
         self._streams.pop(stream.sid, None)
-        if self.alive:
+        try:
             self._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
+        except RelayClosed:   # the learner is gone or going: nothing of the stream runs
+            pass
 
     def _send(self, frame: bytes, payload: bytes = b"") -> None:
         if not self.alive or self._writer.is_closing():
@@ -222,6 +235,7 @@ class RelayFront:
             pass
         finally:
             self.alive = False
+            self._free.put_nowait(None)   # wakes the calls waiting for a slot
             for stream in list(self._streams.values()):
                 stream.deliver(grpc.StatusCode.UNAVAILABLE,
                                b"the learner process went away; retry with the same key")
@@ -229,10 +243,7 @@ class RelayFront:
 
     async def close(self) -> None:
         self._writer.close()
-        try:
-            await asyncio.wait_for(self._task, 5)
-        except (TimeoutError, asyncio.CancelledError):
-            pass
+        await asyncio.wait((self._task,), timeout=5)   # the reader sees the socket close
 
 
 # ── learner side ─────────────────────────────────────────────────────────────────────

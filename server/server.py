@@ -207,7 +207,7 @@ class BearerAuth(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or self.admits(details):
             return handler
-        return _same_shape(handler, _deny, handler.request_deserializer)
+        return _same_shape(handler, _deny, None)   # refused unread: raw bytes
 
 
 class AioBearerAuth(grpc.aio.ServerInterceptor):
@@ -220,7 +220,7 @@ class AioBearerAuth(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or self._check.admits(details):
             return handler
-        return _same_shape(handler, _aio_deny, handler.request_deserializer)
+        return _same_shape(handler, _aio_deny, None)
 
 
 _DENIED = "missing or wrong bearer token"

@@ -157,6 +157,7 @@ class _Layout:
 
 _LAYOUTS: dict[int, _Layout] = {}   # by request length: the last layout seen
 _LAYOUTS_MAX = 64
+_HEADS_MAX = 1024   # framing bytes of a layout worth keeping (a batch's: ≈ 60 + the key's)
 _layouts_lock = threading.Lock()
 
 
@@ -216,7 +217,7 @@ def parse_train_request(data) -> WireTrainRequest | None:
         return None
     layout = _Layout(tuple(heads), tuple(tensors), key)
     request = layout.read(data, view)
-    if request is not None:
+    if request is not None and sum(len(head) for _, head in heads) <= _HEADS_MAX:
         _remember(n, layout)
     return request
 

@@ -27,7 +27,8 @@ from duelq.server.checkpoint import CheckpointError
 from duelq.server.config import LearnerConfig
 from duelq.server.front import FrontServer, LearnerProcessError
 from duelq.server.learner import cuda_usable
-from duelq.server.relay import AHEAD, RelayFront, RelayLearner, SlotPool
+from duelq.server.relay import (_FRAME, AHEAD, INLINE, OPEN, REQ, RelayFront, RelayLearner,
+                                 SlotPool)
 from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -148,6 +149,15 @@ def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, capl
         front.stop(0)
 
 
+def test_an_unreadable_token_file_fails_before_anything_starts(tmp_path):
+    from duelq.server.errors import InvalidArgument
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(InvalidArgument, match="token_file"):
+        FrontServer(ServerOptions(port=0, front_process=True,
+                                  token_file=str(tmp_path / "missing")))
+    assert "duelq-front" not in {t.name for t in threading.enumerate()} - before
+
+
 def test_token_health_metrics_and_info(tmp_path):
     front = start_server(SMALL, ServerOptions(port=0, front_process=True, token="s3cret",
                                               metrics_port=_free_port()), backend="reference")
@@ -266,6 +276,69 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
     asyncio.run(run())
 
 
+def _frames(sock: socket.socket) -> list[tuple[int, int, int]]:
+    """(op, stream, slot) of the frames the front has sent so far."""
+    sock.setblocking(False)
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    frames = []
+    while data:
+        op, sid, slot, size, _ = _FRAME.unpack(data[:_FRAME.size])
+        data = data[_FRAME.size + (size if slot <= INLINE else 0):]
+        frames.append((op, sid, slot))
+    return frames
+
+
+def test_a_call_cancelled_while_waiting_for_a_slot_sends_nothing():
+    """The slot comes free in the same turn as the call is cancelled: the call ends
+    cancelled, no REQ goes out for it, and the slot stays free."""
+    async def run():
+        learner_end, front_end = socket.socketpair()
+        relay = await RelayFront.connect(front_end, SlotPool(1, 4096))
+        try:
+            first, second = (relay.open(unary=True, deadline=None) for _ in range(2))
+            assert await first.submit(b"a")
+            waiting = asyncio.ensure_future(second.submit(b"b"))
+            await asyncio.sleep(0.01)
+            relay.give_back(0)   # as the first request's REPLY would
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert _frames(learner_end) == [(OPEN, 1, 1), (OPEN, 2, 1), (REQ, 1, 0)]
+            assert await asyncio.wait_for(relay.take_slot(first), 1) == 0
+        finally:
+            await relay.close()
+            learner_end.close()
+    asyncio.run(run())
+
+
+def test_waiting_calls_end_when_the_learner_goes_and_a_late_end_is_harmless():
+    async def run():
+        learner_end, front_end = socket.socketpair()
+        relay = await RelayFront.connect(front_end, SlotPool(1, 4096))
+        try:
+            streams = [relay.open(unary=False, deadline=None) for _ in range(3)]
+            assert await streams[0].submit(b"a")
+            waiting = [asyncio.ensure_future(s.submit(b"b")) for s in streams[1:]]
+            await asyncio.sleep(0.01)
+            learner_end.close()   # the learner process dies
+            assert await asyncio.wait_for(asyncio.gather(*waiting), 5) == [False, False]
+            code, _ = await asyncio.wait_for(anext(streams[0].replies()), 5)
+            assert code is grpc.StatusCode.UNAVAILABLE
+            closing = asyncio.ensure_future(relay.close())
+            await asyncio.sleep(0)
+            for stream in streams:   # an rpc unwinding while the relay closes
+                stream.close()
+            await closing
+        finally:
+            await relay.close()
+    asyncio.run(run())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -281,6 +354,8 @@ def test_stop_writes_the_final_checkpoint_and_a_restart_keeps_keys(tmp_path):
         first = [r.loss for r in client.train_stream(batches)]
     path, step = front.stop()
     assert step == 3 and path.exists()
+    assert not front._thread.is_alive() and front._loop.is_closed()   # nothing left behind
+    assert not front._dir.exists()
 
     again = start_server(SMALL, options, backend="reference")
     try:

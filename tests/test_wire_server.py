@@ -170,6 +170,15 @@ def test_a_remembered_layout_is_used_and_keyed_by_every_framing_byte():
     same_request(got, pb.TrainRequest.FromString(c))
 
 
+def test_a_layout_with_long_framing_is_not_remembered():
+    """A shape of many dimensions parses (upb would too) but is not kept: the cache holds
+    a few hundred bytes per entry, whatever requests arrive (before any check or token)."""
+    data = pb.TrainRequest(h_t=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[0] * 2000),
+                           key=pb.RequestKey(actor_id="a", seq=1)).SerializeToString()
+    assert isinstance(parse_train_request(data), WireTrainRequest)
+    assert len(data) not in wire._LAYOUTS
+
+
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("weights", [True, False])
 def test_client_wire_bytes_take_the_zero_copy_path(wire, weights):
