@@ -20,6 +20,7 @@ row tiles: the smaller serves batches that need at most one block per SM, the la
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import queue
 import re
@@ -175,6 +176,8 @@ class _Slot:
         self.staging = _Staging()
         self.message = cp.empty(0, np.uint32)
         self.copied = cp.cuda.Event(disable_timing=True)
+        self.unpack = UnpackArgs()   # the unpack kernel's argument, filled in per request
+        self.unpack_params = (ctypes.c_void_p * 1)(ctypes.addressof(self.unpack))
 
 
 class _Uploaded(Upload):
@@ -398,17 +401,16 @@ class CudaBackend(Backend):
         rt = cp.cuda.runtime
         rt.memcpyAsync(slot.message.data.ptr, span.address, span.nbytes,
                        rt.memcpyHostToDevice, self._upload_stream.ptr)
-        args = UnpackArgs(src=slot.message.data.ptr, segments=len(span.offsets))
-        word = 0
-        for i, (offset, size) in enumerate(zip(span.offsets, span.sizes)):
-            args.src_offset[i], args.start[i] = offset, word
-            word += size // 4
-        args.start[len(span.offsets)] = word
+        n = len(span.offsets)
+        starts = list(itertools.accumulate((size // 4 for size in span.sizes), initial=0))
+        word = starts[-1]
+        args = slot.unpack
+        args.src, args.segments = slot.message.data.ptr, n
+        args.src_offset[:n], args.start[:n + 1] = span.offsets, starts
         args.out = slot.staging.reserve_device(word).data.ptr
         blocks = max(1, min(-(-word // (4 * THREADS)), 4 * self.max_blocks))
-        params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         driver.launchKernel(self._unpack_fn.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
-                            self._upload_stream.ptr, ctypes.addressof(params), 0)
+                            self._upload_stream.ptr, ctypes.addressof(slot.unpack_params), 0)
 
     def upload(self, batch: Batch) -> Upload | None:
         B, H = batch.size, self.config.hidden_dim
