@@ -5,26 +5,21 @@ own per-message work and the learner's (parse, checks, copy, launch, encode) tak
 turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
 
 * this process (the front) binds the public port and serves health, reflection and
-  the bearer-token check on ``grpc.aio``: one event loop receives each request, hands
-  it over and answers, with no thread hand-offs of its own.  TrainStep and TrainStream
-  requests are not parsed here: their bytes go into a shared-memory slot and a frame
-  tells the learner process (server/relay.py).  A stream keeps reading while earlier
-  requests are learned on;
+  the bearer-token check.  TrainStep and TrainStream requests are not parsed here:
+  their bytes go into a shared-memory slot and a frame tells the learner process
+  (server/relay.py).  A stream keeps reading while earlier requests are learned on;
 * the learner process is an ordinary :class:`LearnerServer` bound to a private
   Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
   the same service code, and every other rpc is forwarded to it as raw bytes.
   Checkpoints, idempotency keys and /metrics live there.
 
-The loop runs on a thread of its own, so that the methods below are called like the
-one-process server's.  Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING,
-asks the learner process to drain and write its final checkpoint, then stops gRPC.  If
-the learner process dies, health turns NOT_SERVING, open calls get UNAVAILABLE and
-:attr:`broken` is set.
+Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING, asks the learner process
+to drain and write its final checkpoint, then stops gRPC.  If the learner process
+dies, health turns NOT_SERVING, open calls get UNAVAILABLE and :attr:`broken` is set.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import shutil
@@ -35,11 +30,10 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Iterator
 
 import grpc
-from grpc_health.v1 import _async as health_aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from duelq.v1 import learner_pb2 as pb
 
@@ -47,8 +41,8 @@ from .checkpoint import CheckpointError
 from .config import LearnerConfig
 from .errors import ResourceExhausted
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
-from .server import (SERVICE_NAME, AioBearerAuth, LearnerServer, ServerOptions, add_reflection,
-                     bind, local_target, server_args)
+from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
+                     auth_interceptors, bind, grpc_server, local_target, set_health)
 from .service import TrainJob, refusal, too_many_streams
 
 log = logging.getLogger(__name__)
@@ -58,15 +52,13 @@ FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].met
                   if name not in TRAIN)
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
-SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
-                        health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 class LearnerProcessError(RuntimeError):
     """The learner process could not start (the message says why)."""
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+def _deadline(context: grpc.ServicerContext) -> float | None:
     left = context.time_remaining()
     return None if left is None or left > 1e6 else time.monotonic() + left
 
@@ -76,52 +68,28 @@ class FrontServer:
 
     def __init__(self, options: ServerOptions):
         self.options = options
+        self._server = grpc_server(options, auth_interceptors(options))
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
+                    for name in FORWARDED}
+        handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
+        handlers["TrainStream"] = grpc.stream_stream_rpc_method_handler(self._train_stream)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.health = add_health_and_reflection(self._server)
         self.port: int | None = None
         self.broken = threading.Event()
         """Set when the learner process died (not on an orderly stop)."""
+        self._dir = Path(tempfile.mkdtemp(prefix="duelq-"))   # 0700: the learner's socket
         self._relay: RelayFront | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._channel: grpc.Channel | None = None
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._process = None
         self._conn = None
         self._slots: SlotPool | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
-        self._streams = 0   # open TrainStreams: refused at open past max_streams, as in one
-        #                     process (the learner process counts too)
-        token = options.bearer_token()   # before anything that would need undoing
-        self._dir = Path(tempfile.mkdtemp(prefix="duelq-"))   # 0700: the learner's socket
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="duelq-front",
-                                        daemon=True)
-        self._thread.start()
-        self._server, self.health = self._run(self._build(token))
-
-    def _run(self, coro, timeout: float | None = None):
-        """Run ``coro`` on the front's event loop; its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _build(self, token: str) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-        server = grpc.aio.server(
-            interceptors=(AioBearerAuth(token),) if token else (),
-            options=server_args(self.options),
-            maximum_concurrent_rpcs=self.options.max_rpcs)
-        handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
-                    for name in FORWARDED}
-        handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
-        handlers["TrainStream"] = grpc.stream_stream_rpc_method_handler(self._train_stream)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-        health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        add_reflection(server)
-        await self._set_health(health, NOT_SERVING)
-        return server, health
-
-    @staticmethod
-    async def _set_health(health: health_aio.HealthServicer, status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            await health.set(name, status)
+        # Refused at open, as the one-process server does (the learner process counts too).
+        self._streams = threading.BoundedSemaphore(options.max_streams)
 
     @property
     def target(self) -> str:
@@ -129,11 +97,8 @@ class FrontServer:
 
     def start(self) -> int:
         """Bind the public port and serve health (NOT_SERVING) and reflection."""
-        async def start() -> int:
-            port = bind(self._server, self.options)
-            await self._server.start()
-            return port
-        self.port = self._run(start())
+        self.port = bind(self._server, self.options)
+        self._server.start()
         log.info("listening on %s:%d (%s), front process; health NOT_SERVING until the "
                  "learner process is ready", self.options.host, self.port,
                  "TLS" if self.options.tls_cert else "plaintext")
@@ -171,30 +136,24 @@ class FrontServer:
             raise CheckpointError(*info)
         if kind != "ready":
             raise LearnerProcessError(info)
-        self._run(self._connect(uds, mine, slots))
+        size = o.max_message_bytes
+        self._channel = grpc.insecure_channel(uds, options=[
+            ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
+        self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
+                       for name in FORWARDED}
+        self._relay = RelayFront(mine, slots)
+        self._relay.on_close = self._learner_gone
+        set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s from a front process: learner process %d, backend %s on %s, "
                  "step %d", SERVICE_NAME, self._process.pid, info["backend"], info["device"],
                  info["step"])
         return info
 
-    async def _connect(self, uds: str, sock: socket.socket, slots: SlotPool) -> None:
-        size = self.options.max_message_bytes
-        self._channel = grpc.aio.insecure_channel(uds, options=[
-            ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
-        self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
-                       for name in FORWARDED}
-        self._relay = await RelayFront.connect(sock, slots)
-        self._relay.on_close = self._learner_gone
-        await self._set_health(self.health, SERVING)
-
     def _learner_gone(self) -> None:
         if not self._stopping:
             log.error("the learner process went away: NOT_SERVING")
-            self._loop.create_task(self._gone())
-
-    async def _gone(self) -> None:
-        await self._set_health(self.health, NOT_SERVING)
-        self.broken.set()
+            set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.broken.set()
 
     def stop(self, grace_s: float | None = None) -> tuple[Path, int] | None:
         """NOT_SERVING; the learner process drains and writes its final checkpoint; gRPC
@@ -202,7 +161,7 @@ class FrontServer:
         if self._stopping:
             return None
         self._stopping = True
-        self._run(self.health.enter_graceful_shutdown())
+        self.health.enter_graceful_shutdown()
         grace = self.options.grace_s if grace_s is None else grace_s
         saved = failure = None
         try:
@@ -213,29 +172,20 @@ class FrontServer:
                     log.error("the learner process did not exit: killing it")
                     self._process.kill()
         finally:
-            try:
-                self._run(self._shut(grace))
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(10)
-                self._loop.close()
-                if self._slots is not None:   # after the handlers that write into it
-                    self._slots.close()
-                shutil.rmtree(self._dir, ignore_errors=True)
-                log.info("stopped")
+            if self._relay is not None:
+                self._relay.close()   # open calls get UNAVAILABLE
+            elif self._sock is not None:
+                self._sock.close()
+            if self._channel is not None:
+                self._channel.close()
+            self._server.stop(grace).wait()
+            if self._slots is not None:   # after the handlers that write into it
+                self._slots.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            log.info("stopped")
         if failure is not None:
             raise failure
         return saved
-
-    async def _shut(self, grace: float) -> None:
-        if self._relay is not None:
-            await self._relay.close()   # open calls get UNAVAILABLE
-        elif self._sock is not None:
-            self._sock.close()
-        if self._channel is not None:
-            await self._channel.close()
-        await self._server.stop(grace)
-        await self._loop.shutdown_asyncgens()
 
     def _stop_learner(self) -> tuple[tuple[Path, int] | None, Exception | None]:
         """Ask the learner process to drain and checkpoint: (saved, failure)."""
@@ -253,87 +203,84 @@ class FrontServer:
             log.error("the learner process died while stopping")
         return None, None
 
-    # ── rpcs (on the event loop) ─────────────────────────────────────────────────────
+    # ── rpcs ─────────────────────────────────────────────────────────────────────────
 
-    async def _open(self, context: grpc.aio.ServicerContext, *, unary: bool) -> FrontStream:
+    def _open(self, context: grpc.ServicerContext, *, unary: bool) -> FrontStream:
         relay = self._relay
         try:
             if relay is None:
                 raise RelayClosed("the learner's backend is still starting; retry shortly")
             stream = relay.open(unary=unary, deadline=_deadline(context))
         except RelayClosed as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         # Cancelled or past its deadline: END at once, so requests not started are not
-        # applied (the one-process server's rule), whenever the handler itself unwinds.
-        context.add_done_callback(lambda _: stream.close())
+        # applied (the one-process server's rule) and a wait for a free slot ends.
+        context.add_callback(stream.close)
         return stream
 
-    async def _train_step(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        stream = await self._open(context, unary=True)
-        try:   # a cancelled call or a passed deadline ends here too: its END is sent
-            await stream.submit(request)
+    def _train_step(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        stream = self._open(context, unary=True)
+        try:
+            stream.submit(request)
             stream.done_sending()
-            async for code, payload in stream.replies():
+            for code, payload in stream.replies():
                 if code is not grpc.StatusCode.OK:
-                    await context.abort(code, payload.decode(errors="replace"))
+                    context.abort(code, payload.decode(errors="replace"))
                 return payload
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away")
         finally:
             stream.close()
 
-    async def _train_stream(self, requests: AsyncIterator[bytes],
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        if self._streams >= self.options.max_streams:   # logged; not in the learner's metrics
-            await context.abort(*refusal(
-                ResourceExhausted(too_many_streams(self.options.max_streams)),
-                "TrainStream", context.peer()))
-        self._streams += 1
-        context.add_done_callback(self._stream_done)
-        stream = feeder = None
+    def _train_stream(self, requests: Iterator[bytes],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        if not self._streams.acquire(blocking=False):   # logged; not in the learner's metrics
+            context.abort(*refusal(ResourceExhausted(too_many_streams(self.options.max_streams)),
+                                   "TrainStream", context.peer()))
         try:
-            stream = await self._open(context, unary=False)
-            feeder = asyncio.ensure_future(self._feed(requests, stream))
-            async for code, payload in stream.replies():
+            yield from self._relay_stream(requests, context)
+        finally:
+            self._streams.release()
+
+    def _relay_stream(self, requests: Iterator[bytes],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        stream = self._open(context, unary=False)
+
+        def feed() -> None:   # keeps reading while earlier requests are learned on
+            try:
+                for data in requests:
+                    if not stream.submit(data):
+                        break
+            except Exception:  # noqa: BLE001 — the rpc ended (cancelled, aborted, deadline)
+                pass
+            finally:
+                stream.done_sending()
+        threading.Thread(target=feed, name="duelq-front-feed", daemon=True).start()
+        try:
+            for code, payload in stream.replies():
                 if code is not grpc.StatusCode.OK:
-                    await context.abort(code, payload.decode(errors="replace"))
+                    context.abort(code, payload.decode(errors="replace"))
                 yield payload
             if not self._relay.alive:   # requests may have been dropped unanswered
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went "
-                                    "away; retry with the same keys")
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away; "
+                              "retry with the same keys")
         finally:
-            if feeder is not None:
-                feeder.cancel()
-            if stream is not None:
-                stream.close()
-
-    def _stream_done(self, _) -> None:
-        self._streams -= 1
-
-    @staticmethod
-    async def _feed(requests: AsyncIterator[bytes], stream: FrontStream) -> None:
-        """Read the stream's requests while earlier ones are learned on."""
-        try:
-            async for data in requests:
-                if not await stream.submit(data):
-                    break
-        except Exception:  # noqa: BLE001 — the rpc ended (cancelled, aborted, deadline)
-            pass
-        finally:
-            stream.done_sending()
+            stream.close()
 
     def _forward(self, name: str):
         """A handler passing ``name``'s request bytes to the learner process and back."""
-        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
             call = self._calls.get(name)
             if call is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "the learner's backend is still starting; retry shortly")
-            left = context.time_remaining()
-            try:   # a cancelled call is cancelled inside too: this await is
-                return await call(request, timeout=None if left is None or left > 1e6
-                                  else max(left, 0.0))
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details())
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              "the learner's backend is still starting; retry shortly")
+            deadline = _deadline(context)
+            future = call.future(request, timeout=None if deadline is None else
+                                 max(deadline - time.monotonic(), 0.0))
+            context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
+            try:
+                return future.result()
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), exc.details())
         return forward
 
 

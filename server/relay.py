@@ -13,8 +13,7 @@ Unix socket pair carries fixed-size frames:
                       (TrainResponse bytes, or the error details as UTF-8)
 
 Every REQ gets exactly one REPLY, in order within its stream; the front gives a
-slot back only on its REPLY, so the learner reads the bytes in place.  The front's
-end (:class:`RelayFront`) lives on the front's ``grpc.aio`` event loop.  The learner
+slot back only on its REPLY, so the learner reads the bytes in place.  The learner
 takes requests in arrival order on two threads: one checks the next request and
 starts its copy to the device while the other steps the one before it
 (:class:`RelayLearner`).
@@ -22,17 +21,17 @@ starts its copy to the device while the other steps the one before it
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import mmap
 import os
+import queue
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import grpc
 import numpy as np
@@ -44,9 +43,6 @@ _FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: n
 _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 INLINE = -1
-#: Requests up to this size are copied into their slot on the front's event loop; larger
-#: ones (≈ 0.5 ms and up) on a worker thread, so that other calls are not held up.
-LOOP_COPY_MAX = 4 << 20
 
 
 class RelayClosed(Exception):
@@ -95,155 +91,167 @@ def _recv_exact(rfile, n: int) -> bytes:
     return data
 
 
-# ── front side (the front's event loop) ──────────────────────────────────────────────
+# ── front side ───────────────────────────────────────────────────────────────────────
 
 
 class FrontStream:
-    """One rpc's requests towards the learner and their replies, in order.  Event-loop
-    only, like every front-side object: no locks."""
+    """One rpc's requests towards the learner and their replies, in order."""
 
     def __init__(self, relay: "RelayFront", sid: int, deadline: float | None):
         self._relay, self.sid = relay, sid
         self._deadline = deadline or 0.0
-        self._replies: asyncio.Queue = asyncio.Queue()
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0          # sent, not answered
         self._sending = True       # more requests may come
+        self._lock = threading.Lock()
+        self._order = threading.Lock()   # no REQ frame after this stream's END
         self.closed = False
 
-    async def submit(self, data: bytes) -> bool:
+    def submit(self, data: bytes) -> bool:
         """Send one request; False when the stream is closed (the request is dropped)."""
-        slot = await self._relay.take_slot(self)
+        slot = self._relay.take_slot(self)
         if slot is None:
             return False
-        self._pending += 1
-        try:
-            await self._relay.send_request(self.sid, slot, data, self._deadline)
-        except RelayClosed:
-            self.deliver(grpc.StatusCode.UNAVAILABLE, b"the learner process went away")
+        with self._order:
+            if self.closed:
+                self._relay.give_back(slot)
+                return False
+            with self._lock:
+                self._pending += 1
+            try:
+                self._relay.send_request(self.sid, slot, data, self._deadline)
+            except RelayClosed:
+                self._replies.put((grpc.StatusCode.UNAVAILABLE,
+                                   b"the learner process went away"))
         return True
 
     def done_sending(self) -> None:
-        self._sending = False
-        self._replies.put_nowait(None)
+        with self._lock:
+            self._sending = False
+        self._replies.put(None)
 
     def deliver(self, code: grpc.StatusCode, payload: bytes) -> None:
-        self._replies.put_nowait((code, payload))
+        self._replies.put((code, payload))
 
-    async def replies(self) -> AsyncIterator[tuple[grpc.StatusCode, bytes]]:
+    def replies(self) -> Iterator[tuple[grpc.StatusCode, bytes]]:
         """(code, payload) per request, in order; ends when no more can come, or when the
         stream is closed (its replies then only give their slots back)."""
-        while not (self.closed or (not self._sending and self._pending == 0)):
-            item = await self._replies.get()
-            if item is not None:
+        while True:
+            with self._lock:
+                if self.closed or (not self._sending and self._pending == 0):
+                    return
+            item = self._replies.get()
+            if item is None:
+                continue
+            with self._lock:
                 self._pending -= 1
-                yield item
+            yield item
 
     def close(self) -> None:
-        """End the stream (idempotent): requests not yet started are not applied."""
-        if self.closed:
-            return
-        self.closed = True
-        self._replies.put_nowait(None)   # wakes replies(), which then ends
+        """End the stream (idempotent; also the rpc's termination callback): requests not
+        yet started are not applied."""
+        with self._order:
+            if self.closed:
+                return
+            self.closed = True
+        self._replies.put(None)   # wakes replies(), which then ends
         self._relay.end(self)
 
 
 class RelayFront:
-    """The front process's end: submits requests and routes the learner's replies, on the
-    front's event loop (:meth:`connect` there)."""
+    """The front process's end: submits requests and routes the learner's replies."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 slots: SlotPool):
-        self._reader, self._writer, self.slots = reader, writer, slots
-        self._free: asyncio.Queue = asyncio.Queue()
+    def __init__(self, sock: socket.socket, slots: SlotPool):
+        self._sock, self.slots = sock, slots
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(slots.count):
-            self._free.put_nowait(i)
+            self._free.put(i)
+        self._send_lock = threading.Lock()
         self._streams: dict[int, FrontStream] = {}
         self._ids = itertools.cycle(range(1, 1 << 32))   # a frame's 32-bit stream id
+        self._ids_lock = threading.Lock()
         self.alive = True
         self.on_close: Callable[[], None] = lambda: None
-        self._task = asyncio.ensure_future(self._read_replies())
-
-    @classmethod
-    async def connect(cls, sock: socket.socket, slots: SlotPool) -> "RelayFront":
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        return cls(reader, writer, slots)
+        self._reader = threading.Thread(target=self._read_replies, name="duelq-relay-front",
+                                        daemon=True)
+        self._reader.start()
 
     def open(self, *, unary: bool, deadline: float | None) -> FrontStream:
-        sid = next(self._ids)
-        while sid in self._streams:   # after 2**32 calls: skip the ones still open
+        with self._ids_lock:
             sid = next(self._ids)
+            while sid in self._streams:   # after 2**32 calls: skip the ones still open
+                sid = next(self._ids)
         stream = FrontStream(self, sid, deadline)
-        self._send(_FRAME.pack(OPEN, stream.sid, int(unary), 0, 0.0))
-        self._streams[stream.sid] = stream
+        self._streams[sid] = stream
+        try:
+            self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
+        except RelayClosed:
+            self._streams.pop(sid, None)
+            raise
         return stream
 
-    async def take_slot(self, stream: FrontStream) -> int | None:
-        """A free slot (waits while all are in use); None if the stream or relay closed.
-
-        A call that ends while waiting is cancelled here (its task is), and the slot stays
-        in the queue: asyncio.Queue.get takes an item only once its task runs on."""
-        if stream.closed or not self.alive:
-            return None
-        slot = await self._free.get()
-        if slot is None:                  # the relay closed: wake the next waiter too
-            self._free.put_nowait(None)
-            return None
-        if stream.closed:
-            self.give_back(slot)
-            return None
-        return slot
+    def take_slot(self, stream: FrontStream) -> int | None:
+        """A free slot (waits while all are in use); None if the stream or relay closed."""
+        while not stream.closed and self.alive:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
 
     def give_back(self, slot: int) -> None:
-        self._free.put_nowait(slot)
+        self._free.put(slot)
 
-    async def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
-        if len(data) > self.slots.size:   # inline (the slot still counts it in flight)
-            self._send(_FRAME.pack(REQ, sid, INLINE - slot, len(data), deadline), data)
-            await self._writer.drain()
-            return
-        if len(data) <= LOOP_COPY_MAX:
+    def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
+        if len(data) <= self.slots.size:
             self.slots.write(slot, data)
-        else:   # off the loop (the copy releases the GIL), so other calls go on meanwhile
-            await asyncio.to_thread(self.slots.write, slot, data)
-        self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
+            self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
+        else:  # larger than a slot: inline (the slot still counts the request in flight)
+            self._send(_FRAME.pack(REQ, sid, INLINE - slot, len(data), deadline), data)
 
     def end(self, stream: FrontStream) -> None:
         self._streams.pop(stream.sid, None)
-        try:
-            self._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
-        except RelayClosed:   # the learner is gone or going: nothing of the stream runs
-            pass
+        if self.alive:
+            try:
+                self._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
+            except RelayClosed:
+                pass
 
     def _send(self, frame: bytes, payload: bytes = b"") -> None:
-        if not self.alive or self._writer.is_closing():
-            raise RelayClosed("the learner process went away")
-        self._writer.write(frame)
-        if payload:
-            self._writer.write(payload)
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+                if payload:
+                    self._sock.sendall(payload)
+        except OSError as exc:
+            raise RelayClosed(f"the learner process went away ({exc})") from None
 
-    async def _read_replies(self) -> None:
+    def _read_replies(self) -> None:
+        rfile = self._sock.makefile("rb", buffering=1 << 16)
         try:
             while True:
-                sid, slot, code, n = _REPLY.unpack(
-                    await self._reader.readexactly(_REPLY.size))
-                payload = await self._reader.readexactly(n) if n else b""
-                self._free.put_nowait(slot if slot >= 0 else INLINE - slot)
+                sid, slot, code, n = _REPLY.unpack(_recv_exact(rfile, _REPLY.size))
+                payload = _recv_exact(rfile, n) if n else b""
+                self._free.put(slot if slot >= 0 else INLINE - slot)
                 stream = self._streams.get(sid)
                 if stream is not None:
                     stream.deliver(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload)
-        except (asyncio.IncompleteReadError, OSError, ValueError):
+        except (RelayClosed, OSError, ValueError):
             pass
         finally:
             self.alive = False
-            self._free.put_nowait(None)   # wakes the calls waiting for a slot
             for stream in list(self._streams.values()):
                 stream.deliver(grpc.StatusCode.UNAVAILABLE,
                                b"the learner process went away; retry with the same key")
             self.on_close()
 
-    async def close(self) -> None:
-        self._writer.close()
-        await asyncio.wait((self._task,), timeout=5)   # the reader sees the socket close
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._reader.join(5)
 
 
 # ── learner side ─────────────────────────────────────────────────────────────────────

@@ -196,42 +196,23 @@ class BearerAuth(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-    def admits(self, details: grpc.HandlerCallDetails) -> bool:
-        if details.method.startswith(HEALTH_PREFIX):
-            return True
-        got = dict(details.invocation_metadata).get("authorization", "")
-        return hmac.compare_digest(got.encode() if isinstance(got, str) else got,
-                                   self._expected)
-
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or self.admits(details):
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
-        return _same_shape(handler, _deny, None)   # refused unread: raw bytes
-
-
-class AioBearerAuth(grpc.aio.ServerInterceptor):
-    """:class:`BearerAuth` for a ``grpc.aio`` server (the front process's)."""
-
-    def __init__(self, token: str):
-        self._check = BearerAuth(token)
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or self._check.admits(details):
+        got = dict(details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
             return handler
-        return _same_shape(handler, _aio_deny, None)
+        return _deny(handler)
 
 
-_DENIED = "missing or wrong bearer token"
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED, the request
+    unread (raw bytes: nothing of it is parsed)."""
+    def deny(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-
-def _deny(request, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-
-
-async def _aio_deny(request, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+    return _same_shape(handler, deny, None)
 
 
 def _same_shape(handler: grpc.RpcMethodHandler, behaviour,
@@ -307,16 +288,11 @@ def add_health_and_reflection(server: grpc.Server) -> health.HealthServicer:
     services; returns the health servicer."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    add_reflection(server)
-    set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return servicer
-
-
-def add_reflection(server: grpc.Server | grpc.aio.Server) -> None:
-    """Reflection of the Learner, Health and reflection services."""
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
+    set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
 
 
 def set_health(servicer: health.HealthServicer, status: int) -> None:

@@ -25,6 +25,7 @@ from duelq.server.config import LearnerConfig
 from duelq.server.idempotency import AlreadyApplied, ReplayGuard
 from duelq.server.learner import Learner
 from duelq.server.server import LearnerServer, ServerOptions
+from duelq.server import wire
 from duelq.server.service import REPLAY_KINDS
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -424,6 +425,15 @@ def test_bearer_token_required_except_for_health(make_server, rng):
         code, _ = code_of(lambda: next(s.TrainStream(iter([train_request(rng)]),
                                                      metadata=metadata)))
         assert code == grpc.StatusCode.UNAUTHENTICATED
+    # Refused unread: undecodable bytes are UNAUTHENTICATED too, and nothing is parsed.
+    raw = grpc.insecure_channel(server.target).unary_unary(
+        "/duelq.v1.Learner/TrainStep", request_serializer=None)
+    layouts = dict(wire._LAYOUTS)
+    for data in (b"\xff\xff", train_request(rng, rows=3, actor="never-admitted-actor-x",
+                                             seq=1).SerializeToString()):
+        code, _ = code_of(raw, data)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert wire._LAYOUTS == layouts
     good = (("authorization", "Bearer s3cret"),)
     assert s.TrainStep(train_request(rng), metadata=good).step == 1
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
