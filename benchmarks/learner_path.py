@@ -46,7 +46,7 @@ def main() -> None:
                                              config.n_actions, "float32"),
                                   actor_id="warm-up" if i < WARM else "bench-0-1234-5678",
                                   seq=i + 1)
-                for i in range(WARM + 2 * n)]
+                for i in range(WARM + (2 if args.profile else 1) * n)]
     slots = SlotPool(SLOTS, max(len(r) for r in requests))
     backend.register_host(slots.bytes)
 

@@ -135,6 +135,11 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
     return value
 
 
+def _check_feature_dtype(wire) -> None:
+    if wire not in FEATURE_WIRE_DTYPES:
+        raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, got {wire!r}")
+
+
 def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> dict:
     return tensor_fields(_feature_array(name, value, wire, like), name, wire=wire)
 
@@ -148,7 +153,7 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
         raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
     if value.dtype.kind != "f":
         raise _bad(name, f"must be floating point, got {value.dtype}")
-    if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES.get(wire):
+    if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES[wire]:
         value = value.astype(wire)
     return value
 
@@ -163,6 +168,7 @@ def _batch_arrays(batch: Batch, feature_dtype: str) -> list[tuple[str, np.ndarra
     """The checked arrays of ``batch`` in field order, each with its wire dtype."""
     if not isinstance(batch, Batch):
         raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
+    _check_feature_dtype(feature_dtype)
     arrays = [("h_t", _feature_array("h_t", batch.h_t, feature_dtype), feature_dtype)]
     rows = batch.h_t.shape[0]
     arrays.append(("h_tp1", _feature_array("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
@@ -255,9 +261,7 @@ class LearnerClient:
                  max_backoff: float = 2.0, actor_id: str | None = None,
                  feature_dtype: str = "float32", max_message_bytes: int = 64 << 20,
                  channel_options: Sequence[tuple[str, int | str]] = ()):
-        if feature_dtype not in FEATURE_WIRE_DTYPES:
-            raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, "
-                                        f"got {feature_dtype!r}")
+        _check_feature_dtype(feature_dtype)
         if retries < 0 or backoff < 0 or timeout <= 0:
             raise _bad("retries", "retries and backoff must be ≥ 0, timeout > 0")
         self.target = target

@@ -21,7 +21,6 @@ starts its copy to the device while the other steps the one before it
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
@@ -43,6 +42,7 @@ _FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: n
 _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 INLINE = -1
+MAX_STREAM_ID = (1 << 32) - 1
 
 
 class RelayClosed(Exception):
@@ -168,7 +168,7 @@ class RelayFront:
             self._free.put(i)
         self._send_lock = threading.Lock()
         self._streams: dict[int, FrontStream] = {}
-        self._ids = itertools.cycle(range(1, 1 << 32))   # a frame's 32-bit stream id
+        self._last_id = 0              # stream ids: 1 … 2**32 − 1 (a frame's 32 bits), again
         self._ids_lock = threading.Lock()
         self.alive = True
         self.on_close: Callable[[], None] = lambda: None
@@ -178,11 +178,11 @@ class RelayFront:
 
     def open(self, *, unary: bool, deadline: float | None) -> FrontStream:
         with self._ids_lock:
-            sid = next(self._ids)
+            sid = self._last_id % MAX_STREAM_ID + 1
             while sid in self._streams:   # after 2**32 calls: skip the ones still open
-                sid = next(self._ids)
-        stream = FrontStream(self, sid, deadline)
-        self._streams[sid] = stream
+                sid = sid % MAX_STREAM_ID + 1
+            self._last_id = sid
+            stream = self._streams[sid] = FrontStream(self, sid, deadline)
         try:
             self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
         except RelayClosed:

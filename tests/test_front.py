@@ -26,7 +26,7 @@ from duelq.server.checkpoint import CheckpointError
 from duelq.server.config import LearnerConfig
 from duelq.server.front import FrontServer, LearnerProcessError
 from duelq.server.learner import cuda_usable
-from duelq.server.relay import AHEAD, RelayFront, RelayLearner, SlotPool
+from duelq.server.relay import AHEAD, MAX_STREAM_ID, RelayFront, RelayLearner, SlotPool
 from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -254,6 +254,24 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
     finally:
         front.close()
         learner.close()
+
+
+def test_stream_ids_wrap_past_the_frames_32_bits_and_skip_open_ones():
+    learner_end, front_end = socket.socketpair()
+    front = RelayFront(front_end, SlotPool(1, 4096))
+    try:
+        front._last_id = MAX_STREAM_ID - 2
+        held = front.open(unary=False, deadline=None)      # MAX − 1, still open
+        ids = [held.sid] + [front.open(unary=True, deadline=None).sid for _ in range(2)]
+        for sid in ids[1:]:
+            front._streams.pop(sid)                         # those two have ended
+        front._last_id = MAX_STREAM_ID - 2
+        again = [front.open(unary=True, deadline=None).sid for _ in range(3)]
+        assert ids == [MAX_STREAM_ID - 1, MAX_STREAM_ID, 1]
+        assert again == [MAX_STREAM_ID, 1, 2]               # MAX − 1 is skipped: still open
+    finally:
+        front.close()
+        learner_end.close()
 
 
 def _free_port() -> int:

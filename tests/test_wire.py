@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from duelq.client.client import encode_batch, encode_batch_wire
+from duelq.client.errors import InvalidArgument
 from duelq.client.tensors import (bfloat16_bits_to_float32, encode, float16_to_float32,
                                   float32_to_bfloat16_bits, tensor_wire, varint)
 from duelq.server.service import decode_batch
@@ -40,6 +41,14 @@ def test_foreign_dtypes_encode_as_their_native_equivalents(wire):
     other = random_batch(np.random.default_rng(6), 10)
     assert pb.TrainRequest.FromString(encode_batch_wire(other, feature_dtype=wire)) == \
         encode_batch(other, feature_dtype=wire)
+
+
+@pytest.mark.parametrize("wire", ["int32", "float64", None])
+def test_an_unknown_feature_dtype_is_refused_by_name(wire):
+    batch = random_batch(np.random.default_rng(2), 4)
+    for encoder in (encode_batch, encode_batch_wire):
+        with pytest.raises(InvalidArgument, match="feature_dtype"):
+            encoder(batch, feature_dtype=wire)
 
 
 @pytest.mark.parametrize("array, wire", [
