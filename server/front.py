@@ -68,7 +68,7 @@ class FrontServer:
 
     def __init__(self, options: ServerOptions):
         self.options = options
-        self._server = grpc_server(options, auth_interceptors(options))
+        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._refused))
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
                     for name in FORWARDED}
         handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
@@ -233,9 +233,11 @@ class FrontServer:
 
     def _train_stream(self, requests: Iterator[bytes],
                       context: grpc.ServicerContext) -> Iterator[bytes]:
-        if not self._streams.acquire(blocking=False):   # logged; not in the learner's metrics
-            context.abort(*refusal(ResourceExhausted(too_many_streams(self.options.max_streams)),
-                                   "TrainStream", context.peer()))
+        if not self._streams.acquire(blocking=False):
+            code, details = refusal(ResourceExhausted(too_many_streams(self.options.max_streams)),
+                                    "TrainStream", context.peer())
+            self._refused("TrainStream", code)
+            context.abort(code, details)
         try:
             yield from self._relay_stream(requests, context)
         finally:
@@ -265,6 +267,11 @@ class FrontServer:
                               "retry with the same keys")
         finally:
             stream.close()
+
+    def _refused(self, method: str, code: grpc.StatusCode) -> None:
+        """Count an rpc refused here in the learner process's metrics, once it runs."""
+        if self._relay is not None:
+            self._relay.report_refusal(method, code)
 
     def _forward(self, name: str):
         """A handler passing ``name``'s request bytes to the learner process and back."""
@@ -347,9 +354,14 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
         if metrics is not None:
             metrics.active_streams.dec()
 
+    def refused(method: str, code: str) -> None:   # by the front: its token, max_streams
+        if metrics is not None:
+            metrics.refused.labels(method, code).inc()
+
     relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
                          open_stream=open_stream, close_stream=close_stream,
-                         depth=metrics.queue_depth if metrics is not None else None)
+                         depth=metrics.queue_depth if metrics is not None else None,
+                         refused=refused)
     relay.start()
     learner = server.learner
     conn.send(("ready", {"backend": learner.backend.name, "device": learner.backend.device,

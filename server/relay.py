@@ -9,6 +9,8 @@ Unix socket pair carries fixed-size frames:
     front → learner   OPEN  stream, unary flag
                       REQ   stream, slot (-1: the bytes follow inline), size, deadline
                       END   stream: the rpc is over; requests not started are not applied
+                      REFUSED  size, then "method code" (UTF-8): an rpc the front itself
+                            refused (token, max_streams), for the learner's metrics
     learner → front   REPLY stream, slot, status code, size, then the payload
                       (TrainResponse bytes, or the error details as UTF-8)
 
@@ -37,7 +39,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-OPEN, REQ, END = 1, 2, 3
+OPEN, REQ, END, REFUSED = 1, 2, 3, 4
 _FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: none)
 _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -209,6 +211,16 @@ class RelayFront:
         else:  # larger than a slot: inline (the slot still counts the request in flight)
             self._send(_FRAME.pack(REQ, sid, INLINE - slot, len(data), deadline), data)
 
+    def report_refusal(self, method: str, code: grpc.StatusCode) -> None:
+        """Count an rpc the front refused in the learner's metrics (dropped when the learner
+        process is gone)."""
+        if self.alive:
+            payload = f"{method} {code.name}".encode()
+            try:
+                self._send(_FRAME.pack(REFUSED, 0, 0, len(payload), 0.0), payload)
+            except RelayClosed:
+                pass
+
     def end(self, stream: FrontStream) -> None:
         self._streams.pop(stream.sid, None)
         if self.alive:
@@ -329,9 +341,11 @@ class RelayLearner:
 
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
-                 close_stream: Callable[[], None], depth: Gauge | None = None):
+                 close_stream: Callable[[], None], depth: Gauge | None = None,
+                 refused: Callable[[str, str], None] = lambda method, code: None):
         self._sock, self.slots = sock, slots
         self._depth = depth   # counts requests from their arrival to their answer
+        self._refused = refused   # (method, code name) of an rpc the front refused
         self._prepare, self._apply, self._refuse = prepare, apply, refuse
         self._open_stream, self._close_stream = open_stream, close_stream
         self._streams: dict[int, _LearnerStream] = {}
@@ -361,6 +375,8 @@ class RelayLearner:
                 if op == REQ:
                     data = (self.slots.slot(slot, n) if slot >= 0
                             else memoryview(_recv_exact(rfile, n)))
+                elif op == REFUSED:
+                    data = _recv_exact(rfile, n)
                 try:
                     if op == OPEN:
                         self._open(sid, unary=bool(slot))
@@ -368,6 +384,8 @@ class RelayLearner:
                         self._enqueue(sid, slot, data, deadline)
                     elif op == END:
                         self._end(sid)
+                    elif op == REFUSED:
+                        self._refused(*data.decode().split(" "))
                 except Exception:  # noqa: BLE001 — one bad frame must not end the relay
                     log.exception("relay frame %d of stream %d failed", op, sid)
         except (RelayClosed, OSError, struct.error) as exc:

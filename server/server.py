@@ -27,6 +27,7 @@ import logging
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -193,8 +194,9 @@ class _Undecodable:
 class BearerAuth(grpc.ServerInterceptor):
     """Refuses rpcs (health excepted) without the right bearer token; constant-time compare."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, on_deny: Callable[[str, grpc.StatusCode], None] | None = None):
         self._expected = f"Bearer {token}".encode()
+        self._on_deny = on_deny   # (method name, code) of each refusal, to count it
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -203,16 +205,17 @@ class BearerAuth(grpc.ServerInterceptor):
         got = dict(details.invocation_metadata).get("authorization", "")
         if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
             return handler
-        return _deny(handler)
+        return self._deny(handler, details.method.rsplit("/", 1)[-1])
 
+    def _deny(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED, the
+        request unread (raw bytes: nothing of it is parsed)."""
+        def deny(request, context):
+            if self._on_deny is not None:
+                self._on_deny(method, grpc.StatusCode.UNAUTHENTICATED)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED, the request
-    unread (raw bytes: nothing of it is parsed)."""
-    def deny(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-    return _same_shape(handler, deny, None)
+        return _same_shape(handler, deny, None)
 
 
 def _same_shape(handler: grpc.RpcMethodHandler, behaviour,
@@ -262,10 +265,12 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def auth_interceptors(options: ServerOptions) -> tuple[grpc.ServerInterceptor, ...]:
-    """The bearer-token check, when ``options`` asks for one."""
+def auth_interceptors(options: ServerOptions, on_deny: Callable[[str, grpc.StatusCode], None]
+                      | None = None) -> tuple[grpc.ServerInterceptor, ...]:
+    """The bearer-token check, when ``options`` asks for one (``on_deny``: told of each
+    refusal, where no metrics interceptor counts them)."""
     token = options.bearer_token()
-    return (BearerAuth(token),) if token else ()
+    return (BearerAuth(token, on_deny),) if token else ()
 
 
 def server_args(options: ServerOptions) -> list[tuple[str, int]]:

@@ -168,6 +168,29 @@ def test_token_health_metrics_and_info(tmp_path):
         assert "duelq_steps_total 5.0" in text and "duelq_transitions_total 20.0" in text
         assert "duelq_queue_depth 0.0" in text                  # every request counted out
         assert 'duelq_step_latency_seconds_count 5.0' in text
+        for method in ("GetInfo", "TrainStep"):                 # refused in the front
+            assert (f'duelq_refused_requests_total{{code="UNAUTHENTICATED",method="{method}"}}'
+                    f' 1.0') in text
+        feed: queue.SimpleQueue = queue.SimpleQueue()   # max_streams open, then one more
+        good = (("authorization", "Bearer s3cret"),)
+        stub = pb_grpc.LearnerStub(channel)
+        held = [stub.TrainStream(iter(feed.get, None), metadata=good)
+                for _ in range(front.options.max_streams)]
+        time.sleep(0.5)
+        code, _ = _refusal(lambda: list(stub.TrainStream(iter(()), metadata=good)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for _ in held:
+            feed.put(None)
+        for call in held:
+            assert list(call) == []
+        # The learner process counts it when the front's report arrives: soon, not at once.
+        want = 'duelq_refused_requests_total{code="RESOURCE_EXHAUSTED",method="TrainStream"} 1.0'
+        deadline = time.monotonic() + 10
+        while want not in text and time.monotonic() < deadline:
+            time.sleep(0.05)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{front.options.metrics_port}"
+                                          f"/metrics", timeout=5).read().decode()
+        assert want in text
     finally:
         front.stop(0)
 
