@@ -387,3 +387,5 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
     except OSError:
         pass
     relay.close()   # the slot pool (page-locked on cuda) goes with the process
+    if orphaned:    # a killed front leaves its socket's folder behind: remove it here
+        shutil.rmtree(Path(address.removeprefix("unix:")).parent, ignore_errors=True)

@@ -255,6 +255,24 @@ DOOMED = textwrap.dedent("""
 """)
 
 
+def test_a_killed_front_process_leaves_no_socket_folder(tmp_path, monkeypatch):
+    """SIGKILL gives the front no chance to clean up: its learner process, which then stops
+    (without a final checkpoint), removes the folder of its private socket."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    served = Served(free_port(), "--front-process")
+    try:
+        served.wait_serving()
+        folders = list(tmp_path.glob("duelq-*"))
+        assert len(folders) == 1 and (folders[0] / "learner.sock").exists()
+        served.kill()
+        deadline = time.monotonic() + 30
+        while folders[0].exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not folders[0].exists(), served.log
+    finally:
+        served.kill()
+
+
 def test_a_client_killed_mid_stream_costs_only_its_own_stream(make_server):
     server = make_server(max_streams=2, max_rpcs=4)
     doomed = subprocess.Popen([sys.executable, "-c", DOOMED, server.target],
