@@ -135,9 +135,17 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
     return value
 
 
-def _check_feature_dtype(wire) -> None:
-    if wire not in FEATURE_WIRE_DTYPES:
+def _feature_dtype(wire) -> str:
+    """``wire`` as one of :data:`FEATURE_WIRE_DTYPES` (a numpy dtype is taken by its name)."""
+    name = wire
+    if not isinstance(wire, str) and wire is not None:
+        try:
+            name = np.dtype(wire).name
+        except TypeError:
+            pass
+    if name not in FEATURE_WIRE_DTYPES:
         raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, got {wire!r}")
+    return name
 
 
 def _features(name: str, value, wire: str, like: np.ndarray | None = None) -> dict:
@@ -168,7 +176,7 @@ def _batch_arrays(batch: Batch, feature_dtype: str) -> list[tuple[str, np.ndarra
     """The checked arrays of ``batch`` in field order, each with its wire dtype."""
     if not isinstance(batch, Batch):
         raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
-    _check_feature_dtype(feature_dtype)
+    feature_dtype = _feature_dtype(feature_dtype)
     arrays = [("h_t", _feature_array("h_t", batch.h_t, feature_dtype), feature_dtype)]
     rows = batch.h_t.shape[0]
     arrays.append(("h_tp1", _feature_array("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
@@ -261,7 +269,7 @@ class LearnerClient:
                  max_backoff: float = 2.0, actor_id: str | None = None,
                  feature_dtype: str = "float32", max_message_bytes: int = 64 << 20,
                  channel_options: Sequence[tuple[str, int | str]] = ()):
-        _check_feature_dtype(feature_dtype)
+        feature_dtype = _feature_dtype(feature_dtype)
         if retries < 0 or backoff < 0 or timeout <= 0:
             raise _bad("retries", "retries and backoff must be ≥ 0, timeout > 0")
         self.target = target

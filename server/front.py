@@ -68,7 +68,7 @@ class FrontServer:
 
     def __init__(self, options: ServerOptions):
         self.options = options
-        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._refused))
+        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._denied))
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
                     for name in FORWARDED}
         handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
@@ -268,6 +268,13 @@ class FrontServer:
         finally:
             stream.close()
 
+    def _denied(self, method: str, code: grpc.StatusCode) -> None:
+        """A token refusal: counted for the Learner's rpcs, as the one-process server's
+        metrics count them (not reflection's)."""
+        service, _, name = method.rpartition("/")
+        if service == f"/{SERVICE_NAME}":
+            self._refused(name, code)
+
     def _refused(self, method: str, code: grpc.StatusCode) -> None:
         """Count an rpc refused here in the learner process's metrics, once it runs."""
         if self._relay is not None:
@@ -303,7 +310,30 @@ def _log_setup() -> tuple[str, str]:
 
 def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
                  backend: str, address: str, log_setup: tuple[str, str]) -> None:
-    """The learner process: a LearnerServer on ``address`` plus the relay's learner end."""
+    """The learner process: a LearnerServer on ``address`` plus the relay's learner end.  On
+    its way out it removes its socket and their folder, which a killed front cannot."""
+    try:
+        _serve_relayed(conn, sock, config, options, backend, address, log_setup)
+    finally:
+        path = Path(address.removeprefix("unix:"))
+        path.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()   # only if empty: nothing else is removed
+        except OSError:
+            pass
+
+
+def _tell(conn, message) -> bool:
+    """Send ``message`` to the front; False when it is gone."""
+    try:
+        conn.send(message)
+        return True
+    except OSError:
+        return False
+
+
+def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
+                   backend: str, address: str, log_setup: tuple[str, str]) -> None:
     from .cli import setup_logging
     setup_logging(*log_setup, role="learner")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front decides when to stop
@@ -318,11 +348,11 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
         server.start(address)
         server.serve_learner(config, backend=backend)
     except CheckpointError as exc:
-        conn.send(("checkpoint", (str(exc.path), exc.problem)))
+        _tell(conn, ("checkpoint", (str(exc.path), exc.problem)))
         server.stop(0)
         return
     except Exception as exc:  # noqa: BLE001 — reported to the front, which exits with it
-        conn.send(("error", str(exc)))
+        _tell(conn, ("error", str(exc)))
         server.stop(0)
         return
     service, metrics = server.service, server.metrics
@@ -364,10 +394,11 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
                          refused=refused)
     relay.start()
     learner = server.learner
-    conn.send(("ready", {"backend": learner.backend.name, "device": learner.backend.device,
-                         "step": learner.step_count}))
+    ready = _tell(conn, ("ready", {"backend": learner.backend.name,
+                                   "device": learner.backend.device,
+                                   "step": learner.step_count}))
     asked = False   # by the front ("stop") or by SIGTERM
-    while not (stop.is_set() or relay.closed.is_set()):
+    while ready and not (stop.is_set() or relay.closed.is_set()):
         if conn.poll(0.2):
             try:
                 asked = conn.recv() == "stop"
@@ -382,10 +413,5 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
         answer = ("stopped", saved)
     except CheckpointError as exc:
         answer = ("checkpoint", (str(exc.path), exc.problem))
-    try:
-        conn.send(answer)
-    except OSError:
-        pass
+    _tell(conn, answer)
     relay.close()   # the slot pool (page-locked on cuda) goes with the process
-    if orphaned:    # a killed front leaves its socket's folder behind: remove it here
-        shutil.rmtree(Path(address.removeprefix("unix:")).parent, ignore_errors=True)

@@ -385,15 +385,20 @@ class RelayLearner:
                     elif op == END:
                         self._end(sid)
                     elif op == REFUSED:
-                        self._refused(*data.decode().split(" "))
+                        method, _, code = data.decode().rpartition(" ")
+                        self._refused(method, code)
                 except Exception:  # noqa: BLE001 — one bad frame must not end the relay
                     log.exception("relay frame %d of stream %d failed", op, sid)
         except (RelayClosed, OSError, struct.error) as exc:
             log.info("relay closed: %s", exc)
         finally:
-            with self._lock:
+            with self._lock:   # the requests not started are answered "retry", not applied
                 for stream in self._streams.values():
                     stream.ended = True
+                    if stream.failed is None:
+                        stream.failed = (grpc.StatusCode.UNAVAILABLE,
+                                         b"the learner process is stopping; retry with the "
+                                         b"same key")
                 self._closing = True
                 self._wake.notify_all()
             self.closed.set()

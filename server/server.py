@@ -196,7 +196,7 @@ class BearerAuth(grpc.ServerInterceptor):
 
     def __init__(self, token: str, on_deny: Callable[[str, grpc.StatusCode], None] | None = None):
         self._expected = f"Bearer {token}".encode()
-        self._on_deny = on_deny   # (method name, code) of each refusal, to count it
+        self._on_deny = on_deny   # (method path, code) of each refusal, to count it
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -205,7 +205,7 @@ class BearerAuth(grpc.ServerInterceptor):
         got = dict(details.invocation_metadata).get("authorization", "")
         if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
             return handler
-        return self._deny(handler, details.method.rsplit("/", 1)[-1])
+        return self._deny(handler, details.method)
 
     def _deny(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED, the

@@ -15,10 +15,12 @@ What is checked, with the reference backend and a sequential replay as the oracl
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -255,14 +257,15 @@ DOOMED = textwrap.dedent("""
 """)
 
 
-def test_a_killed_front_process_leaves_no_socket_folder(tmp_path, monkeypatch):
+def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch):
     """SIGKILL gives the front no chance to clean up: its learner process, which then stops
     (without a final checkpoint), removes the folder of its private socket."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    temp = Path(tempfile.mkdtemp(prefix="dq-", dir="/tmp"))   # short: a socket path ≤ 107 B
+    monkeypatch.setenv("TMPDIR", str(temp))
     served = Served(free_port(), "--front-process")
     try:
         served.wait_serving()
-        folders = list(tmp_path.glob("duelq-*"))
+        folders = list(temp.glob("duelq-*"))
         assert len(folders) == 1 and (folders[0] / "learner.sock").exists()
         served.kill()
         deadline = time.monotonic() + 30
@@ -271,6 +274,7 @@ def test_a_killed_front_process_leaves_no_socket_folder(tmp_path, monkeypatch):
         assert not folders[0].exists(), served.log
     finally:
         served.kill()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_client_killed_mid_stream_costs_only_its_own_stream(make_server):

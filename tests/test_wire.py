@@ -43,12 +43,21 @@ def test_foreign_dtypes_encode_as_their_native_equivalents(wire):
         encode_batch(other, feature_dtype=wire)
 
 
-@pytest.mark.parametrize("wire", ["int32", "float64", None])
+@pytest.mark.parametrize("wire", ["int32", "float64", None, np.dtype("float64"), object()])
 def test_an_unknown_feature_dtype_is_refused_by_name(wire):
     batch = random_batch(np.random.default_rng(2), 4)
     for encoder in (encode_batch, encode_batch_wire):
         with pytest.raises(InvalidArgument, match="feature_dtype"):
             encoder(batch, feature_dtype=wire)
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+def test_a_numpy_dtype_names_a_feature_dtype(wire):
+    import ml_dtypes
+    batch = random_batch(np.random.default_rng(3), 4)
+    dtype = np.dtype(ml_dtypes.bfloat16 if wire == "bfloat16" else wire)
+    assert encode_batch_wire(batch, feature_dtype=dtype) == \
+        encode_batch_wire(batch, feature_dtype=wire)
 
 
 @pytest.mark.parametrize("array, wire", [
