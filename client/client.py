@@ -141,9 +141,9 @@ def _feature_dtype(wire) -> str:
     if not isinstance(wire, str) and wire is not None:
         try:
             name = np.dtype(wire).name
-        except TypeError:
+        except (TypeError, ValueError):
             pass
-    if name not in FEATURE_WIRE_DTYPES:
+    if not isinstance(name, str) or name not in FEATURE_WIRE_DTYPES:
         raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, got {wire!r}")
     return name
 

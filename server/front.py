@@ -402,7 +402,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         if conn.poll(0.2):
             try:
                 asked = conn.recv() == "stop"
-            except EOFError:
+            except (EOFError, OSError):   # the front is gone (a reset, when it was killed)
                 pass
             break
     orphaned = not (asked or stop.is_set())

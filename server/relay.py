@@ -392,13 +392,9 @@ class RelayLearner:
         except (RelayClosed, OSError, struct.error) as exc:
             log.info("relay closed: %s", exc)
         finally:
-            with self._lock:   # the requests not started are answered "retry", not applied
+            with self._lock:
                 for stream in self._streams.values():
                     stream.ended = True
-                    if stream.failed is None:
-                        stream.failed = (grpc.StatusCode.UNAVAILABLE,
-                                         b"the learner process is stopping; retry with the "
-                                         b"same key")
                 self._closing = True
                 self._wake.notify_all()
             self.closed.set()

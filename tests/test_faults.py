@@ -54,6 +54,10 @@ class Served:
     """A `duelq serve` subprocess on a fixed port; stderr is collected by a thread."""
 
     def __init__(self, port: int, *flags: str):
+        # Serving once the public server says so: with --front-process, the learner process
+        # says "serving" before the front has its relay.
+        self._serving = ("from a front process" if "--front-process" in flags
+                         else "serving duelq.v1.Learner")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "duelq.server.cli", "serve", "--port", str(port),
@@ -74,7 +78,7 @@ class Served:
 
     def wait_serving(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while "serving duelq.v1.Learner" not in self.log:
+        while self._serving not in self.log:
             assert self.process.poll() is None, self.log
             assert time.monotonic() < deadline, self.log
             time.sleep(0.02)
@@ -272,6 +276,8 @@ def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch):
         while folders[0].exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not folders[0].exists(), served.log
+        served._reader.join(5)
+        assert "the front process went away" in served.log and "Traceback" not in served.log
     finally:
         served.kill()
         shutil.rmtree(temp, ignore_errors=True)

@@ -26,8 +26,7 @@ from duelq.server.checkpoint import CheckpointError
 from duelq.server.config import LearnerConfig
 from duelq.server.front import FrontServer, LearnerProcessError
 from duelq.server.learner import cuda_usable
-from duelq.server.relay import (_FRAME, _REPLY, AHEAD, MAX_STREAM_ID, OPEN, REQ, RelayFront,
-                                 RelayLearner, SlotPool)
+from duelq.server.relay import AHEAD, MAX_STREAM_ID, RelayFront, RelayLearner, SlotPool
 from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -284,39 +283,6 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
     finally:
         front.close()
         learner.close()
-
-
-def test_requests_left_when_the_relay_closes_are_answered_retry_not_cancelled():
-    """The front's end closes (the learner process stopping, or the front gone) with requests
-    queued: those not started are answered UNAVAILABLE ("retry with the same key"), never
-    CANCELLED, which clients take as final."""
-    def apply(job, call):
-        time.sleep(0.05)
-        return b"ok"
-    learner_end, front_end = socket.socketpair()
-    slots = SlotPool(8, 4096)
-    prepare = lambda data, unary, address: _Job(data, queue.SimpleQueue())  # noqa: E731
-    learner = RelayLearner(learner_end, slots, prepare,
-                           apply, lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None)
-    learner.start()
-    try:
-        front_end.sendall(_FRAME.pack(OPEN, 1, 0, 0, 0.0) + b"".join(
-            _FRAME.pack(REQ, 1, slot, 1, 0.0) for slot in range(6)))
-        time.sleep(0.02)                     # the first is stepping
-        front_end.shutdown(socket.SHUT_WR)   # … when the relay closes
-        rfile = front_end.makefile("rb")
-        codes = []
-        for _ in range(6):
-            sid, slot, code, n = _REPLY.unpack(rfile.read(_REPLY.size))
-            rfile.read(n)
-            codes.append(code)
-        assert codes[0] == grpc.StatusCode.OK.value[0]
-        assert grpc.StatusCode.CANCELLED.value[0] not in codes
-        assert codes[-1] == grpc.StatusCode.UNAVAILABLE.value[0]
-    finally:
-        learner.close()
-        front_end.close()
 
 
 def test_stream_ids_wrap_past_the_frames_32_bits_and_skip_open_ones():

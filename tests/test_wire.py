@@ -43,7 +43,8 @@ def test_foreign_dtypes_encode_as_their_native_equivalents(wire):
         encode_batch(other, feature_dtype=wire)
 
 
-@pytest.mark.parametrize("wire", ["int32", "float64", None, np.dtype("float64"), object()])
+@pytest.mark.parametrize("wire", ["int32", "float64", None, np.dtype("float64"), object(),
+                                  [("a", "<f4"), ("a", "<f4")], np.zeros(2)])
 def test_an_unknown_feature_dtype_is_refused_by_name(wire):
     batch = random_batch(np.random.default_rng(2), 4)
     for encoder in (encode_batch, encode_batch_wire):
