@@ -268,12 +268,12 @@ class FrontServer:
         finally:
             stream.close()
 
-    def _denied(self, method: str, code: grpc.StatusCode) -> None:
-        """A token refusal: counted for the Learner's rpcs, as the one-process server's
-        metrics count them (not reflection's)."""
+    def _denied(self, method: str) -> None:
+        """A token refusal of ``method`` (its path): counted for the Learner's rpcs, as the
+        one-process server's metrics count them (not reflection's)."""
         service, _, name = method.rpartition("/")
         if service == f"/{SERVICE_NAME}":
-            self._refused(name, code)
+            self._refused(name, grpc.StatusCode.UNAUTHENTICATED)
 
     def _refused(self, method: str, code: grpc.StatusCode) -> None:
         """Count an rpc refused here in the learner process's metrics, once it runs."""
@@ -367,11 +367,14 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
             metrics.observe_answer(response, call.arrived)
         return response.SerializeToString()
 
+    def refused(method: str, code: str) -> None:   # here, or by the front (token, max_streams)
+        if metrics is not None:
+            metrics.refused.labels(method, code).inc()
+
     def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
         name = "TrainStep" if unary else "TrainStream"
         code, details = refusal(exc, name, "relay")
-        if metrics is not None:
-            metrics.refused.labels(name, code.name).inc()
+        refused(name, code.name)
         return code, details
 
     def open_stream() -> None:
@@ -383,10 +386,6 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         service.close_stream()
         if metrics is not None:
             metrics.active_streams.dec()
-
-    def refused(method: str, code: str) -> None:   # by the front: its token, max_streams
-        if metrics is not None:
-            metrics.refused.labels(method, code).inc()
 
     relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
                          open_stream=open_stream, close_stream=close_stream,

@@ -194,9 +194,9 @@ class _Undecodable:
 class BearerAuth(grpc.ServerInterceptor):
     """Refuses rpcs (health excepted) without the right bearer token; constant-time compare."""
 
-    def __init__(self, token: str, on_deny: Callable[[str, grpc.StatusCode], None] | None = None):
+    def __init__(self, token: str, on_deny: Callable[[str], None] | None = None):
         self._expected = f"Bearer {token}".encode()
-        self._on_deny = on_deny   # (method path, code) of each refusal, to count it
+        self._on_deny = on_deny   # told the method path of each refusal, to count it
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -212,7 +212,7 @@ class BearerAuth(grpc.ServerInterceptor):
         request unread (raw bytes: nothing of it is parsed)."""
         def deny(request, context):
             if self._on_deny is not None:
-                self._on_deny(method, grpc.StatusCode.UNAUTHENTICATED)
+                self._on_deny(method)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
         return _same_shape(handler, deny, None)
@@ -265,8 +265,8 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def auth_interceptors(options: ServerOptions, on_deny: Callable[[str, grpc.StatusCode], None]
-                      | None = None) -> tuple[grpc.ServerInterceptor, ...]:
+def auth_interceptors(options: ServerOptions, on_deny: Callable[[str], None] | None = None
+                      ) -> tuple[grpc.ServerInterceptor, ...]:
     """The bearer-token check, when ``options`` asks for one (``on_deny``: told of each
     refusal, where no metrics interceptor counts them)."""
     token = options.bearer_token()

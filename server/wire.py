@@ -96,8 +96,9 @@ def _packed(buf: bytes) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
-    dtype, shape, payload, offset = 0, (), _EMPTY, end
+def _tensor(data: bytes, pos: int, end: int) -> tuple[int, tuple[int, ...], int, int]:
+    """The Tensor in [pos, end): (dtype, shape, data start, data stop)."""
+    dtype, shape, start, stop = 0, (), end, end
     if pos < end and data[pos] == 0x08:           # dtype = 1, varint (one byte)
         if pos + 1 >= end or data[pos + 1] >= 0x80:
             raise _Fallback
@@ -105,21 +106,20 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> WireTensor:
         pos += 2
     if pos < end and data[pos] == 0x12:           # shape = 2, packed varints
         length, pos = _varint(data, pos + 1, end)
-        stop = pos + length
-        if stop > end:
+        packed_end = pos + length
+        if packed_end > end:
             raise _Fallback
-        shape = _packed(data[pos:stop])
-        pos = stop
+        shape = _packed(data[pos:packed_end])
+        pos = packed_end
     if pos < end and data[pos] == 0x1A:           # data = 3, bytes
         length, pos = _varint(data, pos + 1, end)
-        stop = pos + length
+        start, stop = pos, pos + length
         if stop > end:
             raise _Fallback
-        payload, offset = view[pos:stop], pos
         pos = stop
     if pos != end:
         raise _Fallback
-    return WireTensor(dtype, shape, payload, offset)
+    return dtype, shape, start, stop
 
 
 class _Layout:
@@ -208,10 +208,9 @@ def parse_train_request(data) -> WireTrainRequest | None:
                 key = (pos, end)
                 heads.append((begin, bytes(data[begin:pos])))
             else:
-                t = _tensor(data, view, pos, end)
-                tensors.append((TENSOR_FIELDS[field - 1], t.dtype, t.shape, t.offset,
-                                t.offset + len(t.data)))
-                heads.append((begin, bytes(data[begin:t.offset])))
+                tensor = _tensor(data, pos, end)              # (dtype, shape, start, stop)
+                tensors.append((TENSOR_FIELDS[field - 1], *tensor))
+                heads.append((begin, bytes(data[begin:tensor[2]])))
             pos = end
     except _Fallback:
         return None
