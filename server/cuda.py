@@ -178,6 +178,8 @@ class _Slot:
         self.copied = cp.cuda.Event(disable_timing=True)
         self.unpack = UnpackArgs()   # the unpack kernel's argument, filled in per request
         self.unpack_params = (ctypes.c_void_p * 1)(ctypes.addressof(self.unpack))
+        self.layout: tuple = ()      # (offsets, sizes) the argument was filled in for
+        self.words = 0               # 32-bit words of the unpacked batch
 
 
 class _Uploaded(Upload):
@@ -242,6 +244,7 @@ class CudaBackend(Backend):
         self._free_uploads: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for _ in range(UPLOAD_SLOTS):
             self._free_uploads.put(_Slot())
+        self._shapes: dict[int, tuple[int, int, int]] = {}   # batch size → _shape's answer
         self._cur = 0
         self._pending = False
         self._step = 0
@@ -352,15 +355,23 @@ class CudaBackend(Backend):
     def step_kernel(self, batch_size: int, kind: int = 0) -> StepKernel:
         """The smallest row tile that needs at most one block per SM, else the largest
         (for features of FEATURE_KINDS ``kind``)."""
-        for kernel in self._steps[kind]:
-            if -(-batch_size // kernel.row_tile) <= self.max_blocks:
-                return kernel
-        return self._steps[kind][-1]
+        return self._steps[kind][self._shape(batch_size)[2]]
 
     def grid(self, batch_size: int) -> tuple[int, int]:
         """(blocks G, rows per block R) of the step kernel for ``batch_size`` rows."""
-        blocks = min(-(-batch_size // self.step_kernel(batch_size).row_tile), self.max_blocks)
-        return blocks, -(-batch_size // blocks)
+        return self._shape(batch_size)[:2]
+
+    def _shape(self, batch_size: int) -> tuple[int, int, int]:
+        """(G, R, the row tile's index in each kind's kernels) for ``batch_size`` rows,
+        worked out once per size."""
+        shape = self._shapes.get(batch_size)
+        if shape is None:
+            kernels = self._steps[0]
+            tile = next((i for i, k in enumerate(kernels)
+                         if -(-batch_size // k.row_tile) <= self.max_blocks), len(kernels) - 1)
+            blocks = min(-(-batch_size // kernels[tile].row_tile), self.max_blocks)
+            shape = self._shapes[batch_size] = (blocks, -(-batch_size // blocks), tile)
+        return shape
 
     def stage(self, batch: Batch) -> None:
         """Pack ``batch`` into the step's own pinned input buffer and start its H2D copy."""
@@ -383,12 +394,11 @@ class CudaBackend(Backend):
             cp.cuda.runtime.hostUnregister(span[0])
 
     def _unpackable(self, batch: Batch) -> bool:
-        """Whether ``batch`` has a span in page-locked memory that holds its arrays as the
-        kernel reads them (features ending on a word, 32-bit vectors)."""
+        """Whether ``batch`` has a span in page-locked memory whose features end on a word.
+        (A validated batch's span holds its arrays as the kernel reads them: int32 actions,
+        32-bit vectors; see :class:`HostSpan`.)"""
         span = batch.span
         return (span is not None and batch.h_t.nbytes % 4 == 0
-                and all(a.nbytes == n for a, n in zip(batch.arrays(), span.sizes))
-                and batch.actions.dtype == np.int32
                 and any(lo <= span.address and span.address + span.nbytes <= hi
                         for lo, hi in self._registered))
 
@@ -401,14 +411,17 @@ class CudaBackend(Backend):
         rt = cp.cuda.runtime
         rt.memcpyAsync(slot.message.data.ptr, span.address, span.nbytes,
                        rt.memcpyHostToDevice, self._upload_stream.ptr)
-        n = len(span.offsets)
-        starts = list(itertools.accumulate((size // 4 for size in span.sizes), initial=0))
-        word = starts[-1]
         args = slot.unpack
-        args.src, args.segments = slot.message.data.ptr, n
-        args.src_offset[:n], args.start[:n + 1] = span.offsets, starts
-        args.out = slot.staging.reserve_device(word).data.ptr
-        blocks = max(1, min(-(-word // (4 * THREADS)), 4 * self.max_blocks))
+        if slot.layout != (span.offsets, span.sizes):   # else the arguments are as they were
+            n = len(span.offsets)
+            starts = list(itertools.accumulate((size // 4 for size in span.sizes), initial=0))
+            args.segments = n
+            args.src_offset[:n], args.start[:n + 1] = span.offsets, starts
+            slot.words = starts[-1]
+            slot.layout = (span.offsets, span.sizes)
+        args.src = slot.message.data.ptr
+        args.out = slot.staging.reserve_device(slot.words).data.ptr
+        blocks = max(1, min(-(-slot.words // (4 * THREADS)), 4 * self.max_blocks))
         driver.launchKernel(self._unpack_fn.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
                             self._upload_stream.ptr, ctypes.addressof(slot.unpack_params), 0)
 
@@ -456,7 +469,7 @@ class CudaBackend(Backend):
         the step's own buffer); no copies, no sync."""
         c = self.config
         t = self._step + 1
-        G, R = self.grid(batch_size)
+        G, R, tile = self._shape(batch_size)
         args = StepArgs.from_buffer_copy(self._args[self._cur])
         args.inputs = (self._inputs.device if inputs is None else inputs).data.ptr
         args.out = self._outputs.device.data.ptr
@@ -465,7 +478,7 @@ class CudaBackend(Backend):
         args.update_target = t % c.target_update_period == 0
         args.step_size = np.float32(c.lr / (1 - c.beta1 ** t))
         args.sqrt_bc2 = np.float32(math.sqrt(1 - c.beta2 ** t))
-        kernel = self.step_kernel(batch_size, kind)
+        kernel = self._steps[kind][tile]
         self._launch_cooperative(kernel.fn, G, THREADS, kernel.smem, args)
 
     def _next_epoch(self) -> int:

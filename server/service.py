@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any, Callable, Iterator
 
@@ -46,7 +46,9 @@ from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhaus
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, Prepared, StepResult
 from .state import LearnerState
-from .wire import TENSOR_FIELDS, WireTrainRequest, train_request_deserializer, undecodable
+from .plans import Plans, RequestPlan
+from .wire import (TENSOR_FIELDS, WireTrainRequest, known_layout, train_request_deserializer,
+                   undecodable)
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +147,34 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False,
 
     ``address``: where the request's bytes lie in host memory, when they were parsed in
     place (server/wire.py); the batch then records where its arrays are (``Batch.span``)."""
+    return _placed(*_decode(request, keep_16bit), address)
+
+
+def _decode(request: pb.TrainRequest, keep_16bit: bool) -> tuple[Batch, tuple | None]:
+    """:func:`decode_batch` without a span, and the byte offsets of its arrays in the
+    request when each is a view of exactly its payload (None otherwise: a widened array,
+    or a request protobuf parsed)."""
     has_weights = request.HasField("weights")
     arrays = (_features(request, "h_t", keep_16bit), _features(request, "h_tp1", keep_16bit),
               _required(request, "actions"), _required(request, "rewards"),
               _required(request, "dones"), _required(request, "discounts"),
               decode(request.weights, "weights") if has_weights else None)
-    span = None
-    if address is not None and isinstance(request, WireTrainRequest):
+    batch, offsets = Batch(*arrays), None
+    if isinstance(request, WireTrainRequest):
         tensors = [getattr(request, name) for name in TENSOR_FIELDS[:7 if has_weights else 6]]
-        sizes = tuple(len(t.data) for t in tensors)
         # Only when none was widened (a bfloat16 vector, say): each a view of its bytes.
-        if all(a.nbytes == n for a, n in zip(arrays, sizes)):
+        if all(a.nbytes == len(t.data) for a, t in zip(arrays, tensors)):
             offsets = tuple(t.offset for t in tensors)
-            span = HostSpan(address, max(o + n for o, n in zip(offsets, sizes)), offsets,
-                            sizes)
-    return Batch(*arrays, span=span)
+    return batch, offsets
+
+
+def _placed(batch: Batch, offsets: tuple | None, address: int | None) -> Batch:
+    """``batch`` with its span when its arrays lie at ``offsets`` from host ``address``."""
+    if address is None or offsets is None:
+        return batch
+    sizes = tuple(a.nbytes for a in batch.arrays())
+    return replace(batch, span=HostSpan(address, max(o + n for o, n in zip(offsets, sizes)),
+                                        offsets, sizes))
 
 
 def too_many_streams(limit: int) -> str:
@@ -223,6 +238,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         self.checkpoints: CheckpointWriter | None = None
         """Saves checkpoints (SaveCheckpoint, periodic); None: checkpoints are off."""
         self._learner: Learner | None = None
+        self._plans = Plans()   # per wire layout, for the attached learner
         self._apply_lock = threading.Lock()
         self._queue_lock = threading.Lock()  # guards _waiting and _draining
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
@@ -233,6 +249,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
         if replay is not None:
             self._replay = replay
+        self._plans.clear()
         self._learner = learner
 
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
@@ -318,12 +335,26 @@ class LearnerService(pb_grpc.LearnerServicer):
         """A train request's checks and its copy towards the device, which run before the
         apply lock, beside the step that holds it (``address``: where the request's bytes
         lie, when it was parsed in place)."""
+        layout = getattr(request, "layout", None)
+        plan = self._plans.get(layout)
+        if plan is not None:
+            return self._prepare_planned(plan, request.key, request.view, address)
         learner = self.learner
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
         self._refuse_if_draining()  # early, before the work below (_admit decides)
-        keep_16bit = bool(learner.backend.feature_dtypes)
-        batch = decode_batch(request, keep_16bit=keep_16bit, address=address)
-        return TrainJob(learner, request.key, learner.prepare(batch))
+        batch, offsets = _decode(request, bool(learner.backend.feature_dtypes))
+        prepared = learner.prepare(_placed(batch, offsets, address))
+        self._plans.learn(layout, batch, prepared.batch, offsets)
+        return TrainJob(learner, request.key, prepared)
+
+    def _prepare_planned(self, plan: RequestPlan, key: pb.RequestKey, data,
+                         address: int | None) -> TrainJob:
+        """:meth:`prepare_train` of a request of a layout seen before (server/plans.py)."""
+        learner = self.learner
+        ReplayGuard.check_key(key.actor_id, key.seq)
+        self._refuse_if_draining()
+        return TrainJob(learner, key,
+                        learner.prepare(plan.batch(data, address), shapes_checked=True))
 
     def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None
                     ) -> pb.TrainResponse:
@@ -342,6 +373,12 @@ class LearnerService(pb_grpc.LearnerServicer):
         (server/relay.py), which lie at host ``address`` when known.
 
         Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
+        layout = known_layout(data)
+        plan = self._plans.get(layout)
+        if plan is not None:   # the framing of a layout seen before: no parse, no decode
+            key = layout.read_key(data)
+            if key is not None:
+                return self._prepare_planned(plan, key, data, address)
         try:
             request = train_request_deserializer(data)
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin

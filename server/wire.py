@@ -48,12 +48,15 @@ class WireTensor:
 
 
 class WireTrainRequest:
-    """What the service reads of a ``TrainRequest``: the tensors, ``key`` and ``HasField``."""
+    """What the service reads of a ``TrainRequest``: the tensors, ``key`` and ``HasField``;
+    ``layout``: the remembered layout it was read with (:func:`known_layout`), or None, and
+    ``view``: the request's bytes."""
 
-    __slots__ = TENSOR_FIELDS + ("key", "_present")
+    __slots__ = TENSOR_FIELDS + ("key", "layout", "view", "_present")
 
-    def __init__(self, present: dict):
-        self._present = present
+    def __init__(self, present: dict, layout: "_Layout | None" = None,
+                 view: memoryview = _EMPTY):
+        self._present, self.layout, self.view = present, layout, view
         for name in TENSOR_FIELDS:
             setattr(self, name, present.get(name) or WireTensor())
         key = present.get("key")
@@ -143,7 +146,11 @@ class _Layout:
     def matches(self, data) -> bool:
         return all(data[at:at + len(head)] == head for at, head in self.heads)
 
-    def read(self, data, view: memoryview) -> WireTrainRequest | None:
+    def read_key(self, data) -> pb.RequestKey | None:
+        """The request's key (empty when it has none); None when its bytes do not parse."""
+        return pb.RequestKey() if self.key is None else _key(data, *self.key)
+
+    def read(self, data, view: memoryview, kept: bool) -> WireTrainRequest | None:
         present: dict = {name: WireTensor(dtype, shape, view[start:stop] if stop > start
                                           else _EMPTY, start)
                          for name, dtype, shape, start, stop in self.tensors}
@@ -152,7 +159,7 @@ class _Layout:
             if key is None:
                 return None
             present["key"] = key
-        return WireTrainRequest(present)
+        return WireTrainRequest(present, self if kept else None, view)
 
 
 _LAYOUTS: dict[int, _Layout] = {}   # by request length: the last layout seen
@@ -176,21 +183,38 @@ def _key(data, start: int, stop: int) -> pb.RequestKey | None:
         return None
 
 
+def _bytes_view(data) -> memoryview | None:
+    """A flat byte view of ``data`` (bytes, or a memoryview such as a shared-memory slot)."""
+    if type(data) is memoryview:
+        return data.cast("B") if data.ndim == 1 and data.itemsize == 1 else None
+    return memoryview(data) if type(data) is bytes else None
+
+
+def known_layout(data) -> _Layout | None:
+    """The remembered layout whose framing ``data`` has, if any: ``data`` then parses to that
+    layout's fields at its offsets (only the tensors' bytes and the key's may differ)."""
+    layout = _LAYOUTS.get(len(data))
+    if layout is None:
+        return None
+    if type(data) is not bytes:
+        data = _bytes_view(data)
+        if data is None:
+            return None
+    return layout if layout.matches(data) else None
+
+
 def parse_train_request(data) -> WireTrainRequest | None:
     """``data`` (bytes, or a flat byte memoryview such as a shared-memory slot) in the
     canonical encoding as a :class:`WireTrainRequest`; None otherwise."""
-    if type(data) is memoryview:
-        if data.ndim != 1 or data.itemsize != 1:
-            return None
-        data = view = data.cast("B")
-    elif type(data) is bytes:
-        view = memoryview(data)
-    else:
+    view = _bytes_view(data)
+    if view is None:
         return None
+    if type(data) is memoryview:
+        data = view
     n = len(data)
     layout = _LAYOUTS.get(n)
     if layout is not None and layout.matches(data):
-        return layout.read(data, view)
+        return layout.read(data, view, True)
     heads, tensors, key = [], [], None
     pos, last = 0, 0
     try:
@@ -215,8 +239,9 @@ def parse_train_request(data) -> WireTrainRequest | None:
     except _Fallback:
         return None
     layout = _Layout(tuple(heads), tuple(tensors), key)
-    request = layout.read(data, view)
-    if request is not None and sum(len(head) for _, head in heads) <= _HEADS_MAX:
+    kept = sum(len(head) for _, head in heads) <= _HEADS_MAX
+    request = layout.read(data, view, kept)
+    if request is not None and kept:
         _remember(n, layout)
     return request
 

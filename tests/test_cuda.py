@@ -640,6 +640,48 @@ def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike
         assert not direct.backend._registered
 
 
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire):
+    """The front process's path on cuda: requests in a page-locked pool, planned once their
+    layout is known (server/plans.py), unpacked on the device with each upload slot's
+    arguments kept between requests of one layout.  Layouts alternate so that every upload
+    slot sees a 7-segment request (weights) followed by a 6-segment one and back, and
+    repeats of one layout; every step is bit-identical to a learner fed the decoded batch."""
+    from duelq.client import encode_batch
+    from duelq.server.service import LearnerService, Limits, decode_batch
+    from duelq.server.wire import known_layout, parse_train_request
+    rng = np.random.default_rng(22)
+    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
+    start = random_state(config, rng, 0)
+    plain = Learner(config, backend=cuda_backend(config, start))
+    relayed = Learner(config, backend=cuda_backend(config, start))
+    service = LearnerService(Limits(1 << 26, 1 << 16, 4))
+    service.attach(relayed)
+    pool = np.zeros(8 << 20, np.uint8)
+    relayed.backend.register_host(pool)
+    try:
+        # (B, weights): 3 upload slots, so slot i % 3 takes request i.
+        for i, (B, weights) in enumerate([(1024, True), (1024, False), (64, True)] * 3
+                                          + [(1024, False), (1024, True)] * 3):
+            data = encode_batch(random_batch(rng, B, config, start, weights),
+                                feature_dtype=wire).SerializeToString()
+            offset = 1 + (i % 4) * (2 << 20)
+            pool[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+            planned = service._plans.get(known_layout(data)) is not None
+            assert planned == (i >= 3)
+            with service.relay_prepare(pool.data[offset:offset + len(data)], False,
+                                       pool.ctypes.data + offset) as job:
+                assert job.prepared.upload is not None and job.prepared.batch.span is not None
+                got = relayed.step(job.prepared)
+            want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
+            assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
+                                                              want.entropy), i
+            assert got.td_errors.tobytes() == want.td_errors.tobytes(), i
+        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
+    finally:
+        relayed.backend.unregister_host(pool)
+
+
 def test_learner_auto_picks_cuda():
     config = LearnerConfig()
     learner = Learner(config, backend="auto")
