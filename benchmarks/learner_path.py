@@ -8,7 +8,9 @@ learner processes of ``--front-process`` do with it: copy the request's bytes in
 of a (page-locked on cuda) slot pool, then ``relay_prepare`` (parse, decode, checks, the
 copy towards the device), ``apply_train`` (idempotency key, step, response) and serialise
 the response.  Requests are distinct batches with keys, as from an actor.  Reports wall and
-CPU µs per request with and without the slot copy; --profile adds cProfile's top entries.
+CPU µs per request with and without the slot copy and, on cuda, the step's wait for the
+device (each step is waited for before the next request is read, so nothing overlaps it);
+--profile adds cProfile's top entries.
 """
 
 from __future__ import annotations
@@ -30,6 +32,28 @@ SLOTS = 8
 WARM = 300   # requests before the timing, under a key of their own
 
 
+class TimedStream:
+    """A CuPy stream that adds up the time its ``synchronize`` calls wait: a step's wait
+    for the device, which is not host work."""
+
+    def __init__(self, stream):
+        self.stream, self.waited = stream, 0.0
+
+    def synchronize(self) -> None:
+        start = time.perf_counter()
+        self.stream.synchronize()
+        self.waited += time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def __enter__(self):
+        return self.stream.__enter__()
+
+    def __exit__(self, *exc):
+        return self.stream.__exit__(*exc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
@@ -49,6 +73,8 @@ def main() -> None:
                 for i in range(WARM + (2 if args.profile else 1) * n)]
     slots = SlotPool(SLOTS, max(len(r) for r in requests))
     backend.register_host(slots.bytes)
+    if args.backend == "cuda":
+        backend.stream = TimedStream(backend.stream)
 
     def copy(i: int) -> None:
         slots.write(i % SLOTS, requests[i])
@@ -68,7 +94,11 @@ def main() -> None:
     try:
         for i in range(WARM):
             relay(i)
-        whole, slot_copy = timed(relay, WARM), timed(copy, WARM)
+        stream = getattr(backend, "stream", None)
+        waited = getattr(stream, "waited", 0.0)
+        whole = timed(relay, WARM)
+        waited = 1e6 * (getattr(stream, "waited", 0.0) - waited) / n
+        slot_copy = timed(copy, WARM)
         if args.profile:
             profile = cProfile.Profile()
             profile.runcall(lambda: [relay(i) for i in range(WARM + n, WARM + 2 * n)])
@@ -82,6 +112,10 @@ def main() -> None:
     print(f"| slot copy alone (the front's share) | {slot_copy[0]:.0f} | {slot_copy[1]:.0f} |")
     print(f"| the learner's share | {whole[0] - slot_copy[0]:.0f} | "
           f"{whole[1] - slot_copy[1]:.0f} |")
+    if args.backend == "cuda":
+        print(f"| of which the step's wait for the device (stream sync) | {waited:.0f} | |")
+        print(f"| the learner's host work (share less that wait) | "
+              f"{whole[0] - slot_copy[0] - waited:.0f} | |")
 
 
 if __name__ == "__main__":

@@ -116,17 +116,20 @@ class _State:
 
 
 class _Staging:
-    """A pinned host buffer and its device twin, grown to powers of two on demand."""
+    """A pinned host buffer and its device twin, grown to powers of two on demand (their
+    addresses kept as ints: reading them from the arrays costs more than a copy's call)."""
 
     def __init__(self):
         self.host = np.empty(0, np.float32)
         self.device = cp.empty(0, np.float32)
+        self.host_ptr = self.device_ptr = 0
 
     def reserve(self, words: int) -> np.ndarray:
         """The first ``words`` floats of the host buffer (both buffers grown to hold them)."""
         if words > self.host.size:
             size = _grown(words)
             self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * size), np.float32, size)
+            self.host_ptr = self.host.ctypes.data
         self.reserve_device(words)
         return self.host[:words]
 
@@ -134,14 +137,15 @@ class _Staging:
         """The device buffer, grown to hold ``words`` floats (the host one left as it is)."""
         if words > self.device.size:
             self.device = cp.empty(_grown(words), np.float32)
+            self.device_ptr = self.device.data.ptr
         return self.device
 
     def upload(self, words: int, stream: cp.cuda.Stream) -> None:
-        cp.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, 4 * words,
+        cp.cuda.runtime.memcpyAsync(self.device_ptr, self.host_ptr, 4 * words,
                                     cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
     def download(self, words: int, stream: cp.cuda.Stream) -> None:
-        cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.device.data.ptr, 4 * words,
+        cp.cuda.runtime.memcpyAsync(self.host_ptr, self.device_ptr, 4 * words,
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
     def pack(self, batch: Batch) -> int:
@@ -406,12 +410,13 @@ class CudaBackend(Backend):
         """Copy ``batch``'s span to the device as it is and unpack it into the slot's staging
         buffer in :meth:`_Staging.pack`'s layout (kernels/unpack_batch.cu)."""
         span = batch.span
+        args = slot.unpack
         if span.nbytes + 4 > 4 * slot.message.size:    # 4 readable bytes past the message
             slot.message = cp.empty(_grown(span.nbytes // 4 + 2), np.uint32)
+            args.src = slot.message.data.ptr
         rt = cp.cuda.runtime
-        rt.memcpyAsync(slot.message.data.ptr, span.address, span.nbytes,
-                       rt.memcpyHostToDevice, self._upload_stream.ptr)
-        args = slot.unpack
+        rt.memcpyAsync(args.src, span.address, span.nbytes, rt.memcpyHostToDevice,
+                       self._upload_stream.ptr)
         if slot.layout != (span.offsets, span.sizes):   # else the arguments are as they were
             n = len(span.offsets)
             starts = list(itertools.accumulate((size // 4 for size in span.sizes), initial=0))
@@ -419,8 +424,8 @@ class CudaBackend(Backend):
             args.src_offset[:n], args.start[:n + 1] = span.offsets, starts
             slot.words = starts[-1]
             slot.layout = (span.offsets, span.sizes)
-        args.src = slot.message.data.ptr
-        args.out = slot.staging.reserve_device(slot.words).data.ptr
+        slot.staging.reserve_device(slot.words)
+        args.out = slot.staging.device_ptr
         blocks = max(1, min(-(-slot.words // (4 * THREADS)), 4 * self.max_blocks))
         driver.launchKernel(self._unpack_fn.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
                             self._upload_stream.ptr, ctypes.addressof(slot.unpack_params), 0)
@@ -472,7 +477,7 @@ class CudaBackend(Backend):
         G, R, tile = self._shape(batch_size)
         args = StepArgs.from_buffer_copy(self._args[self._cur])
         args.inputs = (self._inputs.device if inputs is None else inputs).data.ptr
-        args.out = self._outputs.device.data.ptr
+        args.out = self._outputs.device_ptr
         args.epoch = self._next_epoch()
         args.batch, args.rows_per_block, args.has_weights = batch_size, R, has_weights
         args.update_target = t % c.target_update_period == 0
