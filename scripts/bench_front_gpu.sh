@@ -2,10 +2,10 @@
 # bench_front_gpu.sh — the server with `--front-process` against the single-process one, each
 # through `duelq bench --target`, on a GPU machine (about 1–2 minutes).
 #
-#   scripts/bench_front_gpu.sh [duelq bench flags…]   (flags apply to the front-process bench)
+#   [FRONTS=K] scripts/bench_front_gpu.sh [duelq bench flags…]   (flags: the front-process bench)
 #
 # Starts `duelq serve --backend cuda --front-process` and a plain `duelq serve --backend cuda`
-# on local ports; benches the first at B = 1024, 4096 (all wires unless the flags say
+# (with --front-processes K, default 1) on local ports; benches the first at B = 1024, 4096 (all wires unless the flags say
 # otherwise) and the second at B = 1024 float32, the reference figure; stops both with
 # SIGTERM.  Each bench measures its own byte-stream ceiling in the same run.  Writes
 # $OUT/{front,plain}/bench.{json,png} and both servers' logs (./duelq-bench-front without
@@ -19,7 +19,8 @@ export PYTHONUNBUFFERED=1
 cd "$ROOT"
 mkdir -p "$DEST"
 duelq() { "$PY" -m duelq.server.cli "$@"; }
-duelq --log-level WARNING serve --backend cuda --front-process --port 50061 >"$DEST/front.log" 2>&1 &
+duelq --log-level WARNING serve --backend cuda --front-process --front-processes "${FRONTS:-1}" \
+    --port 50061 >"$DEST/front.log" 2>&1 &
 FRONT=$!
 duelq --log-level WARNING serve --backend cuda --port 50062 >"$DEST/plain.log" 2>&1 &
 PLAIN=$!
@@ -28,21 +29,35 @@ for port in 50061 50062; do
     for _ in $(seq 120); do duelq health --target 127.0.0.1:$port >/dev/null && break; sleep 1; done
     duelq health --target 127.0.0.1:$port || { tail -20 "$DEST"/*.log; exit 1; }
 done
-# CPU seconds of the front and learner processes and the learner's step count, as JSON.
+# CPU seconds of the front processes (all K) and of the learner process, and the learner's
+# step count, as JSON.  The learner process is the child listening on learner.sock.
 probe() {
-    "$PY" - "$(pgrep -f 'front-process --port 50061' | head -1)" <<'PROBE'
+    "$PY" - "$(pgrep -f 'front-process --front-processes .* --port 50061' | head -1)" <<'PROBE'
 import json, os, sys
 from duelq.client import LearnerClient
-front = int(sys.argv[1])   # the front's python, not the shell function's subshell
+front = int(sys.argv[1])   # the first front's python, not the shell function's subshell
 tick = os.sysconf("SC_CLK_TCK")
 def cpu(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / tick      # utime + stime
-children = open(f"/proc/{front}/task/{front}/children").read().split()
-learner = [p for p in children if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()][0]
+children = [p for p in open(f"/proc/{front}/task/{front}/children").read().split()
+            if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+sockets = {f"socket:[{line.split()[6]}]" for line in open("/proc/net/unix")
+           if line.rstrip().endswith("learner.sock")}
+def listens(pid):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in sockets:
+                return True
+        except OSError:   # closed meanwhile
+            pass
+    return False
+learner = next(p for p in children if listens(p))
+fronts = [front] + [p for p in children if p != learner]
 with LearnerClient("127.0.0.1:50061") as client:
     step = client.info().step
-print(json.dumps({"front_cpu_s": cpu(front), "learner_cpu_s": cpu(learner), "step": step}))
+print(json.dumps({"front_cpu_s": sum(map(cpu, fronts)), "learner_cpu_s": cpu(learner),
+                  "step": step}))
 PROBE
 }
 status=0
@@ -56,7 +71,7 @@ a, b = (json.loads(x) for x in sys.argv[1:3])
 steps = b["step"] - a["step"]
 for name in ("front", "learner"):
     used = b[f"{name}_cpu_s"] - a[f"{name}_cpu_s"]
-    print(f"{name} process: {1e6 * used / max(steps, 1):.0f} µs of CPU per step "
+    print(f"{name} process(es): {1e6 * used / max(steps, 1):.0f} µs of CPU per step "
           f"({used:.2f} s over {steps} steps: B = 1024 float32, stream and unary cells)")
 REPORT
 duelq bench --target 127.0.0.1:50061 --batch-sizes 1024,4096 --scaling-actors "" \

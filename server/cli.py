@@ -176,6 +176,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(group, "duration", "float", 1.5, "measured seconds per cell")
     add_flag(group, "warmup", "float", 0.5, "unmeasured seconds before each cell")
     add_flag(group, "window", "int", 8, "batches in flight per stream")
+    add_flag(group, "echo_processes", "int", 1, "processes serving the byte stream's TCP port "
+             "(SO_REUSEPORT), as --front-processes does for a server: the ceiling of that "
+             "server model")
     add_flag(group, "experiments", "bool", True, "also run the byte stream on grpc.aio, and "
              "it and the null learner with larger HTTP/2 windows and with tuned malloc")
     add_flag(group, "device_step", "bool", True, "on a cuda backend, time the device step "

@@ -13,15 +13,25 @@ turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
   the same service code, and every other rpc is forwarded to it as raw bytes.
   Checkpoints, idempotency keys and /metrics live there.
 
-Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING, asks the learner process
-to drain and write its final checkpoint, then stops gRPC.  If the learner process
-dies, health turns NOT_SERVING, open calls get UNAVAILABLE and :attr:`broken` is set.
+With ``front_processes`` = K > 1, K − 1 more front processes bind the same port
+(SO_REUSEPORT: the kernel spreads incoming connections over the K), each with a GIL of
+its own.  Each connects to the learner process's relay socket in the private directory
+and hands it a slot pool of its own; the learner process takes requests from every front
+on the same two threads, in arrival order.  The first front starts and stops the others.
+
+Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING (the other fronts too), asks
+the learner process to drain and write its final checkpoint, then stops gRPC.  If the
+learner process dies, health turns NOT_SERVING, open calls get UNAVAILABLE and
+:attr:`broken` is set.  Another front that dies takes its connections with it (their
+clients reconnect to the rest); the first front's death stops the learner process and
+the other fronts.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import shutil
 import signal
 import socket
@@ -52,6 +62,8 @@ FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].met
                   if name not in TRAIN)
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
+FRONT_START_TIMEOUT_S = 60.0
+LEARNER_SOCKET, RELAY_SOCKET = "learner.sock", "relay.sock"   # in the private directory
 
 
 class LearnerProcessError(RuntimeError):
@@ -64,11 +76,15 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
 
 
 class FrontServer:
-    """The public gRPC server of ``--front-process``; the learner runs in a child process."""
+    """The public gRPC server of ``--front-process``; the learner runs in a child process.
 
-    def __init__(self, options: ServerOptions):
-        self.options = options
-        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._denied))
+    ``index`` > 0: one of the other front processes of ``front_processes`` (started by the
+    first, see :func:`front_main`), which joins a running learner process."""
+
+    def __init__(self, options: ServerOptions, *, index: int = 0):
+        self.options, self.index = options, index
+        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._denied),
+                                   share_port=options.front_processes > 1)
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
                     for name in FORWARDED}
         handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
@@ -79,7 +95,8 @@ class FrontServer:
         self.port: int | None = None
         self.broken = threading.Event()
         """Set when the learner process died (not on an orderly stop)."""
-        self._dir = Path(tempfile.mkdtemp(prefix="duelq-"))   # 0700: the learner's socket
+        # 0700: the learner's sockets (the other fronts are given the first one's)
+        self._dir = Path(tempfile.mkdtemp(prefix="duelq-")) if index == 0 else None
         self._relay: RelayFront | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
@@ -88,6 +105,7 @@ class FrontServer:
         self._slots: SlotPool | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
+        self._fronts: list[tuple] = []   # the other front processes: (process, pipe)
         # Refused at open, as the one-process server does (the learner process counts too).
         self._streams = threading.BoundedSemaphore(options.max_streams)
 
@@ -99,9 +117,10 @@ class FrontServer:
         """Bind the public port and serve health (NOT_SERVING) and reflection."""
         self.port = bind(self._server, self.options)
         self._server.start()
-        log.info("listening on %s:%d (%s), front process; health NOT_SERVING until the "
-                 "learner process is ready", self.options.host, self.port,
-                 "TLS" if self.options.tls_cert else "plaintext")
+        log.info("listening on %s:%d (%s), front process %d of %d; health NOT_SERVING until "
+                 "the learner process is ready", self.options.host, self.port,
+                 "TLS" if self.options.tls_cert else "plaintext", self.index + 1,
+                 self.options.front_processes)
         return self.port
 
     def serve_learner(self, config: LearnerConfig, *, backend: str = "auto") -> dict:
@@ -116,7 +135,7 @@ class FrontServer:
         self._sock = mine
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        uds = f"unix:{self._dir / 'learner.sock'}"
+        uds = f"unix:{self._dir / LEARNER_SOCKET}"
         self._process = ctx.Process(
             target=learner_main, name="duelq-learner", daemon=True,
             args=(child, theirs, config, o, backend, uds, _log_setup()))
@@ -136,18 +155,64 @@ class FrontServer:
             raise CheckpointError(*info)
         if kind != "ready":
             raise LearnerProcessError(info)
-        size = o.max_message_bytes
-        self._channel = grpc.insecure_channel(uds, options=[
+        self._connect(mine, slots)
+        self._start_fronts(ctx)
+        set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s from %s: learner process %d, backend %s on %s, step %d",
+                 SERVICE_NAME, "a front process" if o.front_processes == 1 else
+                 f"{o.front_processes} front processes", self._process.pid, info["backend"],
+                 info["device"], info["step"])
+        return info
+
+    def _connect(self, sock: socket.socket, slots: SlotPool) -> None:
+        """Relay train requests over ``sock`` (slots in ``slots``) and forward the other rpcs
+        to the learner process's private socket."""
+        size = self.options.max_message_bytes
+        self._channel = grpc.insecure_channel(f"unix:{self._dir / LEARNER_SOCKET}", options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
-        self._relay = RelayFront(mine, slots)
+        self._relay = RelayFront(sock, slots)
         self._relay.on_close = self._learner_gone
+
+    def _start_fronts(self, ctx) -> None:
+        """Start the other front processes on this port; return once each serves."""
+        o = replace(self.options, port=self.port)
+        for index in range(1, o.front_processes):
+            conn, child = ctx.Pipe()
+            process = ctx.Process(target=front_main, name=f"duelq-front-{index}", daemon=True,
+                                  args=(child, o, str(self._dir), _log_setup(), index))
+            process.start()
+            child.close()
+            self._fronts.append((process, conn))
+        for index, (process, conn) in enumerate(self._fronts, 1):
+            answer = conn.recv() if conn.poll(FRONT_START_TIMEOUT_S) else ("error", "no answer")
+            if answer[0] != "ready":
+                raise LearnerProcessError(f"front process {index + 1} did not start: "
+                                          f"{answer[1]}")
+            threading.Thread(target=self._watch_front, args=(process, index), daemon=True,
+                             name=f"duelq-front-watch-{index}").start()
+
+    def _watch_front(self, process, index: int) -> None:
+        process.join()
+        if not self._stopping:
+            log.error("front process %d (pid %d) exited with code %s: its connections are "
+                      "gone, the other fronts serve on", index + 1, process.pid,
+                      process.exitcode)
+
+    def join_learner(self, directory: Path) -> None:
+        """(Another front process.) Connect to the learner process that the first front
+        started, whose sockets are in ``directory``, and report SERVING."""
+        o = self.options
+        self._dir = directory
+        self._slots = slots = SlotPool(o.relay_slots, int(o.relay_slot_mb * (1 << 20)))
+        self._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(directory / RELAY_SOCKET))
+        socket.send_fds(sock, [b"m"], [slots.fd])
+        self._connect(sock, slots)
         set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s from a front process: learner process %d, backend %s on %s, "
-                 "step %d", SERVICE_NAME, self._process.pid, info["backend"], info["device"],
-                 info["step"])
-        return info
+        log.info("serving %s: front process %d of %d", SERVICE_NAME, self.index + 1,
+                 o.front_processes)
 
     def _learner_gone(self) -> None:
         if not self._stopping:
@@ -155,9 +220,13 @@ class FrontServer:
             set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.broken.set()
 
-    def stop(self, grace_s: float | None = None) -> tuple[Path, int] | None:
+    def stop(self, grace_s: float | None = None, *,
+             learner_drains: bool = True) -> tuple[Path, int] | None:
         """NOT_SERVING; the learner process drains and writes its final checkpoint; gRPC
-        stops after ``grace_s``.  Returns that checkpoint's (path, step), or None."""
+        stops after ``grace_s``.  Returns that checkpoint's (path, step), or None.
+
+        Another front process (``index`` > 0) waits, while ``learner_drains``, for the learner
+        process to end (its requests are drained too) before it stops gRPC."""
         if self._stopping:
             return None
         self._stopping = True
@@ -165,7 +234,12 @@ class FrontServer:
         grace = self.options.grace_s if grace_s is None else grace_s
         saved = failure = None
         try:
-            if self._process is not None and self._process.is_alive():
+            for _, conn in self._fronts:
+                _tell(conn, "stop")
+            if self.index > 0:
+                if learner_drains and self._relay is not None:
+                    self._relay.closed.wait(STOP_TIMEOUT_S)
+            elif self._process is not None and self._process.is_alive():
                 saved, failure = self._stop_learner()
                 self._process.join(30)
                 if self._process.is_alive():
@@ -181,7 +255,13 @@ class FrontServer:
             self._server.stop(grace).wait()
             if self._slots is not None:   # after the handlers that write into it
                 self._slots.close()
-            shutil.rmtree(self._dir, ignore_errors=True)
+            for process, _ in self._fronts:
+                process.join(grace + 30)
+                if process.is_alive():
+                    log.error("front process %s did not exit: killing it", process.name)
+                    process.kill()
+            if self.index == 0:
+                shutil.rmtree(self._dir, ignore_errors=True)
             log.info("stopped")
         if failure is not None:
             raise failure
@@ -308,15 +388,44 @@ def _log_setup() -> tuple[str, str]:
     return logging.getLevelName(root.level), "json" if json_lines else "text"
 
 
+def front_main(conn, options: ServerOptions, directory: str, log_setup: tuple[str, str],
+               index: int) -> None:
+    """Another front process of ``front_processes``: serve the port beside the first front
+    until it says stop (or goes away), or the learner process dies."""
+    from .cli import setup_logging
+    setup_logging(*log_setup, role=f"front-{index + 1}")
+    for signum in (signal.SIGINT, signal.SIGTERM):   # the first front decides when to stop
+        signal.signal(signum, signal.SIG_IGN)
+    front = FrontServer(options, index=index)
+    try:
+        front.start()
+        front.join_learner(Path(directory))
+    except Exception as exc:  # noqa: BLE001 — reported to the first front
+        _tell(conn, ("error", f"{type(exc).__name__}: {exc}"))
+        front.stop(0, learner_drains=False)
+        return
+    _tell(conn, ("ready", os.getpid()))
+    asked = False
+    while not front.broken.is_set():
+        if conn.poll(0.2):
+            try:
+                asked = conn.recv() == "stop"
+            except (EOFError, OSError):   # the first front is gone
+                pass
+            break
+    front.stop(learner_drains=asked)
+
+
 def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
                  backend: str, address: str, log_setup: tuple[str, str]) -> None:
     """The learner process: a LearnerServer on ``address`` plus the relay's learner end.  On
-    its way out it removes its socket and their folder, which a killed front cannot."""
+    its way out it removes its sockets and their folder, which a killed front cannot."""
+    path = Path(address.removeprefix("unix:"))
     try:
         _serve_relayed(conn, sock, config, options, backend, address, log_setup)
     finally:
-        path = Path(address.removeprefix("unix:"))
         path.unlink(missing_ok=True)
+        (path.parent / RELAY_SOCKET).unlink(missing_ok=True)
         try:
             path.parent.rmdir()   # only if empty: nothing else is removed
         except OSError:
@@ -342,7 +451,8 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     _, fds, _, _ = socket.recv_fds(sock, 1, 1)
     slots = SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fds[0])
     private = replace(options, token="", token_file="", tls_cert="", tls_key="",
-                      tls_client_ca="", front_process=False)
+                      tls_client_ca="", front_process=False,
+                      front_processes=1)
     server = LearnerServer(private)
     try:
         server.start(address)
@@ -387,11 +497,26 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         if metrics is not None:
             metrics.active_streams.dec()
 
+    counters: list = []   # duelq_relayed_requests of each front, by index
+
+    def relayed(index: int) -> None:
+        if metrics is not None:
+            while len(counters) <= index:
+                counters.append(metrics.relayed.labels(str(len(counters) + 1)))
+            counters[index].inc()
+
     relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
                          open_stream=open_stream, close_stream=close_stream,
                          depth=metrics.queue_depth if metrics is not None else None,
-                         refused=refused)
+                         refused=refused, relayed=relayed)
     relay.start()
+    listener = None
+    if options.front_processes > 1:   # the other fronts connect here, each with its slots
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(Path(address.removeprefix("unix:")).parent / RELAY_SOCKET))
+        listener.listen()
+        threading.Thread(target=_accept_fronts, args=(listener, relay, options, server),
+                         name="duelq-relay-accept", daemon=True).start()
     learner = server.learner
     ready = _tell(conn, ("ready", {"backend": learner.backend.name,
                                    "device": learner.backend.device,
@@ -413,4 +538,28 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     except CheckpointError as exc:
         answer = ("checkpoint", (str(exc.path), exc.problem))
     _tell(conn, answer)
-    relay.close()   # the slot pool (page-locked on cuda) goes with the process
+    if listener is not None:
+        listener.close()
+    relay.close()   # the slot pools (page-locked on cuda) go with the process
+
+
+def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: ServerOptions,
+                   server: LearnerServer) -> None:
+    """Attach each front process that connects to the relay, with the slot pool it sends."""
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:   # closed: the learner process is stopping
+            return
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            slots = SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fds[0])
+        except (OSError, IndexError, ValueError) as exc:
+            log.warning("a front process's relay connection failed: %s", exc)
+            sock.close()
+            continue
+        try:
+            server.learner.backend.register_host(slots.bytes)
+        except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
+            log.warning("cannot page-lock a front's slot pool (%s); uploads are staged", exc)
+        log.info("front process %d joined the relay", relay.attach(sock, slots) + 1)

@@ -50,6 +50,8 @@ class Metrics:
         self.queue_depth = Gauge("duelq_queue_depth", "Train requests received and not yet "
                                  "answered (waiting for the learner or running)", registry=r)
         self.active_streams = Gauge("duelq_active_streams", "Open TrainStreams", registry=r)
+        self.relayed = Counter("duelq_relayed_requests", "Train requests relayed by each front "
+                               "process (--front-process)", ["front"], registry=r)
         r.register(_ScrapeTimeCollector(learner, lambda: self.checkpoint_dir))
         self.interceptor = _MetricsInterceptor(self)
         self._http = None

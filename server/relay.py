@@ -173,6 +173,7 @@ class RelayFront:
         self._last_id = 0              # stream ids: 1 … 2**32 − 1 (a frame's 32 bits), again
         self._ids_lock = threading.Lock()
         self.alive = True
+        self.closed = threading.Event()   # set with alive = False
         self.on_close: Callable[[], None] = lambda: None
         self._reader = threading.Thread(target=self._read_replies, name="duelq-relay-front",
                                         daemon=True)
@@ -252,6 +253,7 @@ class RelayFront:
             pass
         finally:
             self.alive = False
+            self.closed.set()
             for stream in list(self._streams.values()):
                 stream.deliver(grpc.StatusCode.UNAVAILABLE,
                                b"the learner process went away; retry with the same key")
@@ -287,11 +289,19 @@ class RelayCall:
         return "relay"
 
 
-class _LearnerStream:
-    __slots__ = ("sid", "unary", "outstanding", "ended", "failed", "admitted")
+class _Front:
+    """One front process's connection: its socket and slot pool."""
 
-    def __init__(self, sid: int, unary: bool):
-        self.sid, self.unary = sid, unary
+    def __init__(self, index: int, sock: socket.socket, slots: SlotPool):
+        self.index, self.sock, self.slots = index, sock, slots
+        self.send_lock = threading.Lock()
+
+
+class _LearnerStream:
+    __slots__ = ("front", "sid", "unary", "outstanding", "ended", "failed", "admitted")
+
+    def __init__(self, front: _Front, sid: int, unary: bool):
+        self.front, self.sid, self.unary = front, sid, unary
         self.outstanding = 0            # requests received, not answered
         self.ended = self.admitted = False
         self.failed: tuple[grpc.StatusCode, bytes] | None = None
@@ -337,20 +347,25 @@ class RelayLearner:
     parses and checks a request and starts its copy to the device while the other steps
     the one before and replies, so a step's device time overlaps the next request's host
     work; one thread each, not one per stream, so the GIL is not contended.  A stream's
-    requests are answered in its order, and none after its first refusal is applied."""
+    requests are answered in its order, and none after its first refusal is applied.
+
+    ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts (each
+    read by a thread of its own).  When the first front's connection closes, the relay
+    drains and ends; when another's does, only that front's streams end."""
 
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
                  close_stream: Callable[[], None], depth: Gauge | None = None,
-                 refused: Callable[[str, str], None] = lambda method, code: None):
-        self._sock, self.slots = sock, slots
+                 refused: Callable[[str, str], None] = lambda method, code: None,
+                 relayed: Callable[[int], None] = lambda front: None):
+        self._fronts = [_Front(0, sock, slots)]
+        self._relayed = relayed   # (front index) per request received
         self._depth = depth   # counts requests from their arrival to their answer
         self._refused = refused   # (method, code name) of an rpc the front refused
         self._prepare, self._apply, self._refuse = prepare, apply, refuse
         self._open_stream, self._close_stream = open_stream, close_stream
-        self._streams: dict[int, _LearnerStream] = {}
+        self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
         self._received: deque[_Item] = deque()     # for the prepare thread
         self._prepared: deque[_Item] = deque()     # for the apply thread
         self._wake = threading.Condition(self._lock)
@@ -358,49 +373,71 @@ class RelayLearner:
         self._prepare_done = False    # the prepare thread has stopped
         self.closed = threading.Event()
         self._threads = [threading.Thread(target=target, name=f"duelq-relay-{name}", daemon=True)
-                         for target, name in ((self._read, "learner"),
-                                              (self._prepare_loop, "prepare"),
+                         for target, name in ((self._prepare_loop, "prepare"),
                                               (self._apply_loop, "apply"))]
+        self._threads.append(self._reader(self._fronts[0]))
+
+    def _reader(self, front: _Front) -> threading.Thread:
+        return threading.Thread(target=self._read, args=(front,), daemon=True,
+                                name=f"duelq-relay-learner-{front.index}")
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
 
-    def _read(self) -> None:
-        rfile = self._sock.makefile("rb", buffering=1 << 16)
+    def attach(self, sock: socket.socket, slots: SlotPool) -> int:
+        """Serve one more front process (after :meth:`start`); returns its index."""
+        with self._lock:
+            front = _Front(len(self._fronts), sock, slots)
+            self._fronts.append(front)
+            thread = self._reader(front)
+            self._threads.append(thread)
+        thread.start()
+        return front.index
+
+    def _read(self, front: _Front) -> None:
+        rfile = front.sock.makefile("rb", buffering=1 << 16)
         try:
             while True:
                 op, sid, slot, n, deadline = _FRAME.unpack(_recv_exact(rfile, _FRAME.size))
                 data = None
                 if op == REQ:
-                    data = (self.slots.slot(slot, n) if slot >= 0
+                    data = (front.slots.slot(slot, n) if slot >= 0
                             else memoryview(_recv_exact(rfile, n)))
                 elif op == REFUSED:
                     data = _recv_exact(rfile, n)
                 try:
                     if op == OPEN:
-                        self._open(sid, unary=bool(slot))
+                        self._open(front, sid, unary=bool(slot))
                     elif op == REQ:
-                        self._enqueue(sid, slot, data, deadline)
+                        self._enqueue(front, sid, slot, data, deadline)
                     elif op == END:
-                        self._end(sid)
+                        self._end(front, sid)
                     elif op == REFUSED:
                         method, _, code = data.decode().rpartition(" ")
                         self._refused(method, code)
                 except Exception:  # noqa: BLE001 — one bad frame must not end the relay
                     log.exception("relay frame %d of stream %d failed", op, sid)
         except (RelayClosed, OSError, struct.error) as exc:
-            log.info("relay closed: %s", exc)
+            log.info("relay closed (front process %d): %s", front.index + 1, exc)
         finally:
+            ended = []
             with self._lock:
                 for stream in self._streams.values():
-                    stream.ended = True
-                self._closing = True
+                    if front.index == 0 or stream.front is front:
+                        stream.ended = True
+                        if not stream.outstanding:
+                            ended.append(stream)
+                if front.index == 0:
+                    self._closing = True
                 self._wake.notify_all()
-            self.closed.set()
+            for stream in ended:   # the others end with their last answer
+                self._finish(stream)
+            if front.index == 0:
+                self.closed.set()
 
-    def _open(self, sid: int, unary: bool) -> None:
-        stream = _LearnerStream(sid, unary)
+    def _open(self, front: _Front, sid: int, unary: bool) -> None:
+        stream = _LearnerStream(front, sid, unary)
         if not unary:
             try:
                 self._open_stream()
@@ -409,12 +446,14 @@ class RelayLearner:
                 code, details = self._refuse(exc, unary)
                 stream.failed = (code, details.encode())
         with self._lock:
-            self._streams[sid] = stream
+            self._streams[front.index, sid] = stream
 
-    def _enqueue(self, sid: int, slot: int, data: memoryview, deadline: float) -> None:
+    def _enqueue(self, front: _Front, sid: int, slot: int, data: memoryview,
+                 deadline: float) -> None:
         with self._lock:
-            stream = self._streams.get(sid)
+            stream = self._streams.get((front.index, sid))
             if stream is not None:
+                self._relayed(front.index)
                 if self._depth is not None:   # before the apply thread can count it out
                     self._depth.inc()
                 stream.outstanding += 1
@@ -422,12 +461,12 @@ class RelayLearner:
                 self._wake.notify_all()
                 return
         # Not open (a front bug): answer, so its slot comes back.
-        self._reply(_LearnerStream(sid, False), slot, grpc.StatusCode.CANCELLED,
+        self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
                     b"unknown stream; not applied")
 
-    def _end(self, sid: int) -> None:
+    def _end(self, front: _Front, sid: int) -> None:
         with self._lock:
-            stream = self._streams.get(sid)
+            stream = self._streams.get((front.index, sid))
             if stream is None:
                 return
             stream.ended = True
@@ -437,7 +476,9 @@ class RelayLearner:
 
     def _finish(self, stream: _LearnerStream) -> None:
         with self._lock:
-            self._streams.pop(stream.sid, None)
+            if self._streams.get((stream.front.index, stream.sid)) is not stream:
+                return   # finished already
+            del self._streams[stream.front.index, stream.sid]
         if stream.admitted:
             self._close_stream()
 
@@ -454,7 +495,8 @@ class RelayLearner:
                 item = self._received.popleft()
             stream = item.stream
             if stream.failed is None and not stream.ended:
-                address = self.slots.address(item.slot) if item.slot >= 0 else None
+                slots = stream.front.slots
+                address = slots.address(item.slot) if item.slot >= 0 else None
                 try:
                     item.job = self._prepare(item.data, stream.unary, address)
                 except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
@@ -517,17 +559,22 @@ class RelayLearner:
     def _reply(self, stream: _LearnerStream, slot: int, code: grpc.StatusCode,
                payload: bytes) -> None:
         frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
+        front = stream.front
         try:
-            with self._send_lock:
-                self._sock.sendall(frame + payload)   # one system call
+            with front.send_lock:
+                front.sock.sendall(frame + payload)   # one system call
         except OSError:
             pass   # the front is gone; the reader sees it too
 
     def close(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        for thread in self._threads:   # the reader first; then the others drain and end
+        with self._lock:
+            fronts, threads = list(self._fronts), list(self._threads)
+        for front in fronts:
+            try:
+                front.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in threads:   # the readers end; then the others drain and end
             thread.join(5)
-        self._sock.close()
+        for front in fronts:
+            front.sock.close()

@@ -100,8 +100,11 @@ class ServerOptions:
     """Serve gRPC from this process and run the learner in a second one, handing train
     requests over through shared memory: gRPC's per-message work and the learner's no
     longer share one GIL (see docs/benchmarks.md)."""
+    front_processes: int = 1
+    """With ``front_process``: gRPC front processes sharing the port (SO_REUSEPORT: the kernel
+    spreads connections over them), each with a GIL of its own."""
     relay_slots: int = 32
-    """With ``front_process``: train requests in flight between the two processes."""
+    """With ``front_process``: train requests in flight between each front and the learner."""
     relay_slot_mb: float = 8.0
     """With ``front_process``: MiB of shared memory per slot; larger requests are relayed
     through the socket instead (slower, same result)."""
@@ -131,6 +134,9 @@ class ServerOptions:
         need(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be ≥ 0")
         need(self.checkpoint_every_seconds >= 0, "checkpoint_every_seconds", "must be ≥ 0")
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
+        need(1 <= self.front_processes <= 64, "front_processes", "must be in [1, 64]")
+        need(self.front_processes == 1 or self.front_process, "front_processes",
+             "more than 1 needs front_process")
         need(self.relay_slots >= 1, "relay_slots", "must be ≥ 1")
         need(1 / 16 <= self.relay_slot_mb <= 1024, "relay_slot_mb", "must be in [1/16, 1024]")
 
@@ -273,18 +279,20 @@ def auth_interceptors(options: ServerOptions, on_deny: Callable[[str], None] | N
     return (BearerAuth(token, on_deny),) if token else ()
 
 
-def server_args(options: ServerOptions) -> list[tuple[str, int]]:
-    """The gRPC server arguments of ``options``: message-size limits, no shared port."""
+def server_args(options: ServerOptions, *, share_port: bool = False) -> list[tuple[str, int]]:
+    """The gRPC server arguments of ``options``: message-size limits; a port in use is an
+    error, unless ``share_port`` (several front processes, each binding it with this)."""
     size = options.max_message_bytes
     return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-            ("grpc.so_reuseport", 0)]  # a port in use is an error, not shared
+            ("grpc.so_reuseport", int(share_port))]
 
 
-def grpc_server(options: ServerOptions, interceptors: tuple) -> grpc.Server:
+def grpc_server(options: ServerOptions, interceptors: tuple, *,
+                share_port: bool = False) -> grpc.Server:
     """grpc's sync server with ``options``' thread and message-size limits."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_rpcs, thread_name_prefix="duelq-rpc"),
-        interceptors=interceptors, options=server_args(options),
+        interceptors=interceptors, options=server_args(options, share_port=share_port),
         maximum_concurrent_rpcs=options.max_rpcs)
 
 

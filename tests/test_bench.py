@@ -26,14 +26,16 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     out = tmp_path / "bench"
     run = subprocess.run(
         [sys.executable, "-m", "duelq.server.cli", "bench", "--quick", "--backend", "reference",
-         "--out", str(out), "--hidden-dim", "16", "--n-actions", "5"],
+         "--out", str(out), "--hidden-dim", "16", "--n-actions", "5", "--echo-processes", "2"],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "### Throughput by batch size" in run.stdout and "÷ echo" in run.stdout
+    assert "byte stream on 2 processes" in run.stdout   # sharing its TCP port
 
     result = json.loads((out / "bench.json").read_text())
     assert set(result) >= {"meta", "rows", "codec_us", "goals", "device_step", "failures"}
     assert result["failures"] == [] and result["meta"]["quick"] is True
+    assert result["meta"]["echo_processes"] == 2
     rows = result["rows"]
     assert {r["kind"] for r in rows} == {"echo", "stream", "unary"}
     assert {r["backend"] for r in rows} == {"echo", "reference", "null"}
@@ -53,6 +55,7 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     (["--transports", "tcp,carrier-pigeon"], "--transports"),
     (["--wire-dtypes", "int8"], "--wire-dtypes"),
     (["--duration", "0"], "--duration"),
+    (["--echo-processes", "0"], "--echo-processes"),
 ])
 def test_bad_flags_are_usage_errors(flags, problem, capsys, tmp_path):
     assert cli.main(["bench", "--out", str(tmp_path), *flags]) == cli.EXIT_USAGE

@@ -56,7 +56,7 @@ class Served:
     def __init__(self, port: int, *flags: str):
         # Serving once the public server says so: with --front-process, the learner process
         # says "serving" before the front has its relay.
-        self._serving = ("from a front process" if "--front-process" in flags
+        self._serving = ("serving duelq.v1.Learner from " if "--front-process" in flags
                          else "serving duelq.v1.Learner")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
@@ -197,7 +197,9 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged_before_the_last_checkpoin
             second.kill()
 
 
-@pytest.mark.parametrize("front", [(), ("--front-process",)], ids=["one-process", "front-process"])
+@pytest.mark.parametrize("front", [(), ("--front-process",),
+                                   ("--front-process", "--front-processes", "2")],
+                         ids=["one-process", "front-process", "two-front-processes"])
 def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_path, front):
     port, directory, count = free_port(), tmp_path / "ckpt", 160
     rng = np.random.default_rng(3)
@@ -261,12 +263,14 @@ DOOMED = textwrap.dedent("""
 """)
 
 
-def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch):
-    """SIGKILL gives the front no chance to clean up: its learner process, which then stops
-    (without a final checkpoint), removes the folder of its private socket."""
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch, fronts):
+    """SIGKILL gives the (first) front no chance to clean up: its learner process, which then
+    stops (without a final checkpoint), removes the folder of its private sockets, and the
+    other fronts stop too (every process that shares the log's pipe has exited)."""
     temp = Path(tempfile.mkdtemp(prefix="dq-", dir="/tmp"))   # short: a socket path ≤ 107 B
     monkeypatch.setenv("TMPDIR", str(temp))
-    served = Served(free_port(), "--front-process")
+    served = Served(free_port(), "--front-process", "--front-processes", str(fronts))
     try:
         served.wait_serving()
         folders = list(temp.glob("duelq-*"))
@@ -276,7 +280,8 @@ def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch):
         while folders[0].exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not folders[0].exists(), served.log
-        served._reader.join(5)
+        served._reader.join(15)
+        assert not served._reader.is_alive(), served.log
         assert "the front process went away" in served.log and "Traceback" not in served.log
     finally:
         served.kill()

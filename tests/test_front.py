@@ -404,3 +404,93 @@ def test_failing_cancelled_and_expired_streams_leave_it_serving():
         assert stub.TrainStep(good, timeout=10).step == settled + 1
     finally:
         front.stop(0)
+
+
+def _metric(text: str, line_start: str) -> float:
+    """The value of the first sample in ``text`` (Prometheus exposition) starting so."""
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(line_start)), 0.0)
+
+
+def test_front_processes_share_the_port_and_stop_together(make_server, tmp_path):
+    """--front-processes 2: the same answers as one process; connections reach both fronts
+    (the learner process counts each front's requests); stop drains, writes the final
+    checkpoint, and every process exits and the socket folder goes."""
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True, front_processes=2,
+                                              metrics_port=_free_port(),
+                                              checkpoint_dir=str(tmp_path)),
+                         backend="reference")
+    try:
+        assert [p.is_alive() for p, _ in front._fronts] == [True]
+        assert _results(front.target, 5) == _results(make_server().target, 5)
+        rng = np.random.default_rng(8)
+        for i in range(24):   # 24 connections: all on one front 1 time in 8 million
+            with LearnerClient(front.target, actor_id=f"c{i}") as client:
+                client.train_step(random_batch(rng, 3))
+        text = urllib.request.urlopen(
+            f"http://127.0.0.1:{front.options.metrics_port}/metrics", timeout=5).read().decode()
+        counts = [_metric(text, f'duelq_relayed_requests_total{{front="{i}"}}') for i in (1, 2)]
+        assert min(counts) > 0 and sum(counts) == 3 * 13 + 24, counts
+    finally:
+        path, step = front.stop()
+    assert step == 3 * 13 + 24 and path.exists()
+    assert not any(p.is_alive() for p, _ in front._fronts) and not front._dir.exists()
+
+
+def test_a_killed_second_front_leaves_the_first_serving(tmp_path, caplog):
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True, front_processes=2,
+                                              checkpoint_dir=str(tmp_path)),
+                         backend="reference")
+    try:
+        process = front._fronts[0][0]
+        with caplog.at_level(logging.ERROR, logger="duelq.server.front"):
+            process.kill()
+            process.join(10)
+            deadline = time.monotonic() + 10
+            while "front process 2" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "front process 2" in caplog.text and "the other fronts serve on" in caplog.text
+        rng = np.random.default_rng(3)
+        with LearnerClient(front.target, actor_id="after") as client:   # new connections
+            assert len(list(client.train_stream(random_batch(rng, 4) for _ in range(10)))) == 10
+        assert not front.broken.is_set()
+    finally:
+        path, step = front.stop()
+    assert step == 10
+
+
+def test_a_second_front_gone_ends_its_streams_only():
+    """The learner end serves several fronts: when one front's connection closes, its open
+    streams end (each admitted one counted out once), and the other fronts' go on."""
+    closed: list = []
+    learner_end, front_end = socket.socketpair()
+    learner = RelayLearner(learner_end, SlotPool(4, 4096),
+                           lambda data, unary, address: _Job(data, queue.SimpleQueue()),
+                           lambda job, call: b"ok",
+                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: closed.append(1))
+    learner.start()
+    first = RelayFront(front_end, SlotPool(4, 4096))
+    second_learner_end, second_front_end = socket.socketpair()
+    second_slots = SlotPool(4, 4096)
+    assert learner.attach(second_learner_end, second_slots) == 1
+    second = RelayFront(second_front_end, second_slots)
+    try:
+        open_there = [second.open(unary=False, deadline=None) for _ in range(2)]
+        assert open_there[0].submit(b"x")
+        assert next(open_there[0].replies())[0] == grpc.StatusCode.OK
+        here = first.open(unary=False, deadline=None)   # the same stream id on the first
+        assert here.sid == open_there[0].sid
+        second.close()
+        deadline = time.monotonic() + 10
+        while len(closed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(closed) == 2                          # both of the gone front's streams
+        assert here.submit(b"y")
+        here.done_sending()
+        assert [code for code, _ in here.replies()] == [grpc.StatusCode.OK]
+        here.close()
+        assert not learner.closed.is_set()
+    finally:
+        first.close()
+        learner.close()

@@ -183,7 +183,9 @@ def report(result: dict) -> str:
     m = result["meta"]
     parts = [f"## duelq bench — backend {m['backend']} on {m['device']}, {m['cpus']} CPUs "
              f"({m['cpu']}), H={m['hidden_dim']} N={m['n_actions']}, window {m['window']}, "
-             f"{m['duration_s']:g} s per cell",
+             f"{m['duration_s']:g} s per cell"
+             + (f", byte stream on {m['echo_processes']} processes"
+                if m.get("echo_processes", 1) > 1 else ""),
              "", "### Throughput by batch size", "", table(result["rows"], "main")]
     if any(r["section"] == "scaling" for r in result["rows"]):
         parts += ["", f"### Scaling with actors, B={m['scaling_batch']} float32", "",

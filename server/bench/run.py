@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -33,7 +34,8 @@ from .actors import ActorPool, make_batch
 from .base import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, TRANSPORTS, WIRES, BenchError, UsageError,
                    cpu_seconds)
 from .report import add_ratios, goals, percentile_ms, plot, report
-from .servers import (TUNED_OPTIONS, AioEchoServer, EchoServer, NullBackend, ServerClock,
+from .servers import (TUNED_OPTIONS, AioEchoServer, EchoProcesses, EchoServer, NullBackend,
+                      ServerClock,
                       ServerProcess, TimedBackend, TimedLock)
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class Plan:
     duration: float
     warmup: float
     window: int
+    echo_processes: int
     experiments: bool
     device_step: bool
     target: str
@@ -104,14 +107,15 @@ class Plan:
                     scaling_actors=ints("scaling_actors") if args.scaling_actors else (),
                     scaling_batch=args.scaling_batch, transports=names("transports", TRANSPORTS),
                     wires=names("wire_dtypes", WIRES), duration=args.duration,
-                    warmup=args.warmup, window=args.window, experiments=args.experiments,
+                    warmup=args.warmup, window=args.window,
+                    echo_processes=args.echo_processes, experiments=args.experiments,
                     device_step=args.device_step, target=args.target, out=Path(args.out),
                     quick=args.quick)
         if plan.quick:
             plan = replace(plan, batch_sizes=(256,), actors=1, scaling_actors=(1, 2),
                            scaling_batch=256, duration=0.25, warmup=0.1, experiments=False,
                            wires=tuple(w for w in plan.wires if w != "float16") or ("float32",))
-        for name in ("actors", "window", "scaling_batch"):
+        for name in ("actors", "window", "scaling_batch", "echo_processes"):
             if getattr(plan, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')}: must be ≥ 1")
         if plan.duration <= 0 or plan.warmup < 0:
@@ -257,7 +261,9 @@ class Bench:
                                                                     self.config.n_actions):
                 raise UsageError(f"--target serves H={info.config.hidden_dim}, "
                                  f"N={info.config.n_actions}; pass --hidden-dim and --n-actions")
-        self._start_echo("sync", EchoServer, (), addresses)
+        sync = (EchoServer if plan.echo_processes == 1 else
+                functools.partial(EchoProcesses, count=plan.echo_processes))
+        self._start_echo("sync", sync, (), addresses)
 
     def _start_echo(self, name: str, kind, extra, addresses) -> None:
         transports = [t for t in self.plan.transports if t != "target"] or ["tcp"]
@@ -448,7 +454,8 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                      "target": plan.target or "in-process", "hidden_dim": config.hidden_dim,
                      "n_actions": config.n_actions, "actors": plan.actors,
                      "batch_sizes": list(plan.batch_sizes), "scaling_batch": plan.scaling_batch,
-                     "window": plan.window, "duration_s": plan.duration,
+                     "window": plan.window, "echo_processes": plan.echo_processes,
+                     "duration_s": plan.duration,
                      "warmup_s": plan.warmup, "quick": plan.quick, "partial": partial,
                      "argv": list(argv) if argv is not None else sys.argv[1:],
                      "env": {k: v for k, v in os.environ.items()

@@ -267,25 +267,78 @@ def _echo_handler(fn) -> grpc.GenericRpcHandler:
         ECHO_SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(fn)})
 
 
-def server_args(options: ServerOptions, extra: Iterable = ()) -> list:
+def server_args(options: ServerOptions, extra: Iterable = (), *,
+                share_port: bool = False) -> list:
     """The channel arguments of duelq's own server (server/server.py), plus ``extra``."""
-    return [*duelq_server_args(options), *extra]
+    return [*duelq_server_args(options, share_port=share_port), *extra]
 
 
 class EchoServer:
     """The byte stream on grpc's sync server: duelq's threading model, no service code."""
 
-    def __init__(self, options: ServerOptions, addresses: Sequence[str], extra: Iterable = ()):
+    def __init__(self, options: ServerOptions, addresses: Sequence[str], extra: Iterable = (),
+                 *, share_port: bool = False):
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_rpcs,
                                        thread_name_prefix="bench-echo"),
-            handlers=(_echo_handler(_echo_stream),), options=server_args(options, extra),
+            handlers=(_echo_handler(_echo_stream),),
+            options=server_args(options, extra, share_port=share_port),
             maximum_concurrent_rpcs=options.max_rpcs)
         self.ports = [self._server.add_insecure_port(a) for a in addresses]
         self._server.start()
 
     def stop(self) -> None:
         self._server.stop(0).wait()
+
+
+def _echo_main(conn, options: ServerOptions, addresses: Sequence[str], extra: list) -> None:
+    """One process of :class:`EchoProcesses`."""
+    server = EchoServer(options, addresses, extra, share_port=True)
+    conn.send(server.ports)
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    server.stop()
+
+
+class EchoProcesses:
+    """The byte stream served by ``count`` processes that share each TCP port (SO_REUSEPORT:
+    the kernel spreads connections over them), as ``--front-processes`` serves duelq; a Unix
+    socket is served by the first process alone."""
+
+    def __init__(self, options: ServerOptions, addresses: Sequence[str], extra: Iterable = (),
+                 *, count: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._procs: list = []
+        self.ports: list[int] = []
+        for index in range(count):
+            wanted = addresses if index == 0 else [
+                f"127.0.0.1:{port}" for a, port in zip(addresses, self.ports)
+                if not a.startswith("unix:")]
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_echo_main, args=(child, options, wanted, list(extra)),
+                               name=f"duelq-bench-echo-{index}", daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append((proc, conn))
+            if not conn.poll(ACTOR_TIMEOUT_S):
+                self.stop()
+                raise BenchError("a byte-stream process did not start")
+            ports = conn.recv()
+            if index == 0:
+                self.ports = ports
+
+    def stop(self) -> None:
+        for proc, conn in self._procs:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc, _ in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
 
 
 class AioEchoServer:
