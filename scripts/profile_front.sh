@@ -2,7 +2,7 @@
 # profile_front.sh — where the `--front-process` server's GIL time goes under a TrainStream
 # load: py-spy samples the threads that hold the GIL in the front and learner processes
 # while `duelq bench --target` drives them (B = 1024 float32, $ACTORS actors (default 2),
-# about a minute).
+# about a minute), with $FRONTS front processes (default 1).
 #
 #   scripts/profile_front.sh [cuda|reference]
 #
@@ -27,7 +27,7 @@ fi
 [ -x "$SPY" ] || { echo "py-spy not found (PATH or .prof/py_spy-*.whl)"; exit 1; }
 "$SPY" record --subprocesses ${SPY_FLAGS:---gil} --threads --rate 250 --format raw -o "$DEST/gil.txt" -- \
     "$PY" -m duelq.server.cli --log-level WARNING serve --backend "$BACKEND" --front-process \
-    --port 50071 >"$DEST/serve.log" 2>&1 &
+    --front-processes "${FRONTS:-1}" --port 50071 >"$DEST/serve.log" 2>&1 &
 SPIED=$!
 for _ in $(seq 90); do
     "$PY" -m duelq.server.cli health --target 127.0.0.1:50071 >/dev/null 2>&1 && break; sleep 1
@@ -35,12 +35,28 @@ done
 "$PY" -m duelq.server.cli bench --target 127.0.0.1:50071 --batch-sizes 1024 --actors "${ACTORS:-2}" \
     --wire-dtypes float32 --scaling-actors "" --no-experiments --no-device-step --duration 8 \
     --out "$DEST/bench" | grep -E "^\| stream"
-for pid in $(pgrep -f "front-process --port 50071"); do   # the server, not py-spy
+# The learner process: the one listening on learner.sock (the fronts only connect to it).
+LEARNER=$("$PY" - <<'FIND'
+import os
+sockets = {f"socket:[{line.split()[6]}]" for line in open("/proc/net/unix")
+           if line.rstrip().endswith("learner.sock")}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets
+               for fd in os.listdir(f"/proc/{pid}/fd")):
+            print(pid)
+            break
+    except OSError:
+        pass
+FIND
+)
+for pid in $(pgrep -f "front-process --front-processes .* --port 50071"); do   # not py-spy
     grep -q py-spy "/proc/$pid/cmdline" 2>/dev/null || kill -TERM "$pid"
 done
 wait $SPIED
-"$PY" - "$DEST/gil.txt" <<'TOP'
+"$PY" - "$DEST/gil.txt" "$LEARNER" <<'TOP'
 import collections, re, sys
+learner = f"process {sys.argv[2]}:"   # every other process is a front
 # A line: "process 123:\"cmd\";thread (0x7f..);frame (file:line);... count"
 own, incl = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
 total = collections.Counter()
@@ -50,7 +66,7 @@ for line in open(sys.argv[1]):
     if "importlib" in stack or "<module>" in stack:
         continue                              # start-up: imports, compiles
     frames = stack.split(";")
-    proc = "learner" if "spawn_main" in stack or "learner_main" in stack else "front"
+    proc = "learner" if stack.startswith(learner) else "fronts"
     total[proc] += int(n)
     thread = next((f for f in frames if f.startswith("thread (")), "thread ?")
     threads[proc, re.sub(r"\(\d+\)|_\d+$", "", thread)] += int(n)

@@ -56,7 +56,10 @@ class Batch:
 
     @property
     def size(self) -> int:
-        return int(np.shape(self.actions)[0]) if np.ndim(self.actions) else 0
+        a = self.actions
+        if type(a) is np.ndarray:   # the usual case, without NumPy's generic calls
+            return a.shape[0] if a.ndim else 0
+        return int(np.shape(a)[0]) if np.ndim(a) else 0
 
 
 def _array(name: str, value) -> np.ndarray:

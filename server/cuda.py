@@ -398,11 +398,12 @@ class CudaBackend(Backend):
             cp.cuda.runtime.hostUnregister(span[0])
 
     def _unpackable(self, batch: Batch) -> bool:
-        """Whether ``batch`` has a span in page-locked memory whose features end on a word.
-        (A validated batch's span holds its arrays as the kernel reads them: int32 actions,
-        32-bit vectors; see :class:`HostSpan`.)"""
+        """Whether ``batch`` has a span in page-locked memory that holds its arrays as the
+        kernel reads them (features ending on a word, 32-bit vectors, int32 actions)."""
         span = batch.span
         return (span is not None and batch.h_t.nbytes % 4 == 0
+                and batch.actions.dtype == np.int32
+                and all(a.nbytes == n for a, n in zip(batch.arrays(), span.sizes))
                 and any(lo <= span.address and span.address + span.nbytes <= hi
                         for lo, hi in self._registered))
 
@@ -530,19 +531,21 @@ class CudaBackend(Backend):
                 upload.close()
         out = self._outputs.host
         td = out[:2 * B].copy()                  # td_errors, priorities
-        # Per-block partials, added in block order: finite flag, slice norm, loss, Q sums,
-        # inputs valid (as Python floats: G values each, cheaper than NumPy calls).
-        head = out[2 * B:words].tolist()
-        finite, norms, losses, q_sums, inputs = (head[1 + i * G:1 + (i + 1) * G]
-                                                 for i in range(5))
-        loss, q_mean = sum(losses) / B, sum(q_sums) / B
+        # Per-block partials [5, G]: finite flag, slice norm, loss, Q sums, inputs valid.
+        # Norms², losses and Q sums are added in block order in float64 (cumsum: one pass,
+        # the same sums as Python's left to right).
+        parts = out[2 * B + 1:words].reshape(5, G).astype(np.float64)
+        parts[1] *= parts[1]
+        _, norm2, loss_sum, q_sum, _ = np.cumsum(parts, axis=1)[:, -1].tolist()
+        loss, q_mean = loss_sum / B, q_sum / B
+        flags = parts[::4] == 1.0                # finite, inputs valid: [2, G]
         self._pending = True
         return StepOutputs(
             loss=loss, td_errors=td[:B], priorities=td[B:], q_taken_mean=q_mean,
-            grad_norm=math.sqrt(sum(n * n for n in norms)),
-            finite=finite.count(1.0) == G and math.isfinite(loss) and math.isfinite(q_mean),
-            entropy=head[0] if self._entropy_slot >= 0 else None,
-            inputs_valid=inputs.count(1.0) == G)
+            grad_norm=math.sqrt(norm2),
+            finite=bool(flags[0].all()) and math.isfinite(loss) and math.isfinite(q_mean),
+            entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
+            inputs_valid=bool(flags[1].all()))
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

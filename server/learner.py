@@ -127,9 +127,10 @@ class Learner:
     def prepare(self, batch: Batch, *, shapes_checked: bool = False) -> Prepared:
         """Validate ``batch`` and start its copy to the device; no lock is taken.
 
-        ``shapes_checked``: the batch's arrays have the dtypes and shapes of one that passed
-        (and came back unchanged) before (server/plans.py), so only its values are left
-        to check, here unless the backend checks them itself."""
+        ``shapes_checked``: the caller vouches that the batch's arrays have the dtypes and
+        shapes of one that passed (and came back unchanged) before, on this learner
+        (server/plans.py), so only its values are left to check, here unless the backend
+        checks them itself.  Nothing verifies that claim: pass it only so."""
         if not (shapes_checked and self.backend.checks_values):
             batch = validate_batch(batch, self.config, self.max_batch_size,
                                    check_values=not self.backend.checks_values,

@@ -51,9 +51,11 @@ class RequestPlan:
 
 
 class Plans:
-    """A bounded map from remembered layouts to plans, for one learner (thread-safe)."""
+    """A bounded map from remembered layouts to plans, for one ``learner`` (thread-safe): a
+    new learner gets a new map, read together with it, so no plan outlives its learner."""
 
-    def __init__(self):
+    def __init__(self, learner=None):
+        self.learner = learner
         self._plans: dict[object, RequestPlan] = {}
         self._lock = threading.Lock()
 
@@ -75,7 +77,3 @@ class Plans:
             if len(self._plans) >= MAX_PLANS:
                 del self._plans[next(iter(self._plans))]   # the oldest
             self._plans[layout] = plan
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()

@@ -36,7 +36,7 @@ import grpc
 import numpy as np
 
 from duelq.client import errors as client_errors
-from duelq.client.tensors import decode, encode, float16_to_float32, tensor_fields
+from duelq.client.tensors import decode, encode, float16_to_float32
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -190,14 +190,25 @@ def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
 
 
 def train_response(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
-    response = pb.TrainResponse(  # tensors as field dicts: their bytes are copied once
-        loss=result.loss, td_errors=tensor_fields(result.td_errors, "td_errors"),
-        priorities=tensor_fields(result.priorities, "priorities"),
-        q_taken_mean=result.q_taken_mean,
-        grad_norm=result.grad_norm, step=result.step, version=result.version, key=key)
+    response = pb.TrainResponse()
+    response.CopyFrom(_response_template(result.td_errors.shape[0]))   # dtypes and shapes
+    response.td_errors.data = np.ascontiguousarray(result.td_errors, np.float32).tobytes()
+    response.priorities.data = np.ascontiguousarray(result.priorities, np.float32).tobytes()
+    response.loss, response.q_taken_mean = result.loss, result.q_taken_mean
+    response.grad_norm, response.step, response.version = (result.grad_norm, result.step,
+                                                           result.version)
+    response.key.CopyFrom(key)
     if result.entropy is not None:
         response.entropy = result.entropy
     return response
+
+
+@functools.lru_cache(maxsize=64)
+def _response_template(rows: int) -> pb.TrainResponse:
+    """A TrainResponse whose two tensors say float32 [rows] (copying it beats building them:
+    ≈ 2.5 against 6 µs a response)."""
+    fields = {"dtype": pb.DTYPE_FLOAT32, "shape": (rows,)}
+    return pb.TrainResponse(td_errors=fields, priorities=fields)
 
 
 @dataclass(frozen=True)
@@ -238,7 +249,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         self.checkpoints: CheckpointWriter | None = None
         """Saves checkpoints (SaveCheckpoint, periodic); None: checkpoints are off."""
         self._learner: Learner | None = None
-        self._plans = Plans()   # per wire layout, for the attached learner
+        self._plans = Plans()   # per wire layout, for the attached learner (its .learner)
         self._apply_lock = threading.Lock()
         self._queue_lock = threading.Lock()  # guards _waiting and _draining
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
@@ -249,7 +260,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
         if replay is not None:
             self._replay = replay
-        self._plans.clear()
+        self._plans = Plans(learner)
         self._learner = learner
 
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
@@ -335,22 +346,23 @@ class LearnerService(pb_grpc.LearnerServicer):
         """A train request's checks and its copy towards the device, which run before the
         apply lock, beside the step that holds it (``address``: where the request's bytes
         lie, when it was parsed in place)."""
+        plans = self._plans   # the learner and its plans, read together
+        learner = plans.learner or self.learner   # NotServing before attach
         layout = getattr(request, "layout", None)
-        plan = self._plans.get(layout)
+        plan = plans.get(layout)
         if plan is not None:
-            return self._prepare_planned(plan, request.key, request.view, address)
-        learner = self.learner
+            return self._prepare_planned(learner, plan, request.key, request.view, address)
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
         self._refuse_if_draining()  # early, before the work below (_admit decides)
         batch, offsets = _decode(request, bool(learner.backend.feature_dtypes))
         prepared = learner.prepare(_placed(batch, offsets, address))
-        self._plans.learn(layout, batch, prepared.batch, offsets)
+        plans.learn(layout, batch, prepared.batch, offsets)
         return TrainJob(learner, request.key, prepared)
 
-    def _prepare_planned(self, plan: RequestPlan, key: pb.RequestKey, data,
+    def _prepare_planned(self, learner: Learner, plan: RequestPlan, key: pb.RequestKey, data,
                          address: int | None) -> TrainJob:
-        """:meth:`prepare_train` of a request of a layout seen before (server/plans.py)."""
-        learner = self.learner
+        """:meth:`prepare_train` of a request of a layout seen before (server/plans.py) by
+        the ``learner`` whose plan it is."""
         ReplayGuard.check_key(key.actor_id, key.seq)
         self._refuse_if_draining()
         return TrainJob(learner, key,
@@ -373,12 +385,13 @@ class LearnerService(pb_grpc.LearnerServicer):
         (server/relay.py), which lie at host ``address`` when known.
 
         Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
+        plans = self._plans
         layout = known_layout(data)
-        plan = self._plans.get(layout)
+        plan = plans.get(layout)
         if plan is not None:   # the framing of a layout seen before: no parse, no decode
             key = layout.read_key(data)
             if key is not None:
-                return self._prepare_planned(plan, key, data, address)
+                return self._prepare_planned(plans.learner, plan, key, data, address)
         try:
             request = train_request_deserializer(data)
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin

@@ -678,6 +678,17 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire):
                                                               want.entropy), i
             assert got.td_errors.tobytes() == want.td_errors.tobytes(), i
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
+        # A planned request with a bad value: the kernel finds it, the host names it.
+        bad = random_batch(rng, 1024, config, start, True)
+        bad.rewards[700] = np.nan
+        data = encode_batch(bad, feature_dtype=wire).SerializeToString()
+        assert service._plans.get(known_layout(data)) is not None
+        pool[1:1 + len(data)] = np.frombuffer(data, np.uint8)
+        with pytest.raises(InvalidArgument, match="rewards.*index 700"):
+            with service.relay_prepare(pool.data[1:1 + len(data)], False,
+                                       pool.ctypes.data + 1) as job:
+                relayed.step(job.prepared)
+        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
     finally:
         relayed.backend.unregister_host(pool)
 

@@ -11,9 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from duelq.client.client import encode_batch_wire
+import threading
+
 from duelq.server.batch import BFLOAT16, Batch
 from duelq.server.errors import InvalidArgument
 from duelq.server.learner import Learner
+from duelq.server.reference import ReferenceBackend
+from duelq.server.state import LearnerState
 from duelq.server.service import LearnerService, Limits, decode_batch
 from duelq.server.wire import known_layout, parse_train_request
 
@@ -21,6 +25,21 @@ from conftest import SMALL, random_batch
 
 LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=256, max_streams=4)
 KEEP_16BIT = (np.dtype(np.float16), BFLOAT16)
+
+
+class DeviceChecked(ReferenceBackend):
+    """The reference step behind cuda's contract: it says it checks values itself, so the
+    learner skips the host checks of a planned batch, and it records what upload gets."""
+
+    checks_values = True
+
+    def __init__(self, config, state):
+        super().__init__(config, state)
+        self.uploaded: list[Batch] = []
+
+    def upload(self, batch):
+        self.uploaded.append(batch)
+        return None
 
 
 def service_for(config=SMALL, keep_16bit: bool = False) -> LearnerService:
@@ -162,3 +181,72 @@ def test_a_planned_layout_with_an_unreadable_key_is_refused_as_upb_refuses_it():
     assert known_layout(bytes(bad)) is known_layout(good)
     with pytest.raises(InvalidArgument, match="cannot parse as the TrainStream request"):
         relay(service, pool, bytes(bad))
+
+
+@pytest.mark.parametrize("odd", ["actions uint8", "dones bool", "dones uint8",
+                                 "rewards float16"])
+def test_a_layout_with_converted_arrays_gets_no_plan(odd):
+    """Arrays the checks convert (narrow actions, bool or 16-bit vectors) are new arrays, not
+    views of the request: no plan, so no such batch reaches a backend unchecked, and each
+    request is still read and stepped as the full path reads it."""
+    field, dtype = odd.split()
+    rng = np.random.default_rng(5)
+    config = SMALL
+    learner = Learner(config, backend=DeviceChecked(config, LearnerState.initial(config)))
+    service, pool = LearnerService(LIMITS), Pool()
+    service.attach(learner)
+    for seq in (1, 2):
+        batch = random_batch(rng, 9)
+        batch = replace(batch, **{field: getattr(batch, field).astype(dtype)})
+        data = encode_batch_wire(batch, actor_id="a", seq=seq)
+        with relay(service, pool, data) as job:
+            assert service._plans.get(known_layout(data)) is None
+            assert job.prepared.batch.actions.dtype == np.int32
+            assert all(a.dtype in (np.float32, np.int32) for a in job.prepared.batch.arrays())
+
+
+def test_a_planned_batch_reaches_a_value_checking_backend_as_the_checked_one():
+    """The path cuda takes: the learner skips its host checks for a planned batch; what the
+    backend's upload gets is the batch the full path would have checked and given it."""
+    rng = np.random.default_rng(6)
+    learner = Learner(SMALL, backend=DeviceChecked(SMALL, LearnerState.initial(SMALL)))
+    service, pool = LearnerService(LIMITS), Pool()
+    service.attach(learner)
+    for seq in range(1, 4):
+        data = request(rng, 11, "float32", seq % 2 == 1, seq=seq)
+        view, address = pool.put(data)
+        with service.relay_prepare(view, False, address):
+            pass
+        want = learner.prepare(decode_batch(parse_train_request(data), address=address)).batch
+        same_batch(learner.backend.uploaded[-2], want)
+    assert service._plans.get(known_layout(data)) is not None
+
+
+def test_a_plan_learned_while_a_new_learner_is_attached_stays_with_the_old_one():
+    """A request prepared under the old learner finishes after attach(new): its plan must
+    not serve the new learner, which checks that layout's shapes itself (and refuses)."""
+    rng = np.random.default_rng(7)
+    old = Learner(SMALL, backend="reference", max_batch_size=LIMITS.max_batch_size)
+    narrow = replace(SMALL, hidden_dim=SMALL.hidden_dim - 1)
+    new = Learner(narrow, backend=DeviceChecked(narrow, LearnerState.initial(narrow)))
+    service, pool = LearnerService(LIMITS), Pool()
+    service.attach(old)
+    inside, go = threading.Event(), threading.Event()
+    prepare = old.prepare
+
+    def slow_prepare(batch, **kwargs):
+        prepared = prepare(batch, **kwargs)
+        inside.set()
+        go.wait(10)
+        return prepared
+    old.prepare = slow_prepare
+    first = request(rng, 6, "float32", True, seq=1)
+    buffer = Pool()
+    thread = threading.Thread(target=lambda: relay(service, buffer, first).close())
+    thread.start()
+    assert inside.wait(10)
+    service.attach(new)
+    go.set()
+    thread.join(10)
+    with pytest.raises(InvalidArgument, match="h_t: shape must be"):
+        relay(service, pool, request(rng, 6, "float32", True, seq=2))
