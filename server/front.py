@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
+from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Iterator
 
@@ -68,6 +69,26 @@ LEARNER_SOCKET, RELAY_SOCKET = "learner.sock", "relay.sock"   # in the private d
 
 class LearnerProcessError(RuntimeError):
     """The learner process could not start (the message says why)."""
+
+
+def _port_free(host: str, port: int) -> None:
+    """OSError when a server listens on ``host:port``.  The fronts bind it with SO_REUSEPORT,
+    which would otherwise share it silently with another such server of the same user."""
+    if port == 0:
+        return
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as grpc binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {host}:{port}: {exc.strerror} (is another "
+                              f"server there?)") from exc
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -106,6 +127,7 @@ class FrontServer:
         self._sock: socket.socket | None = None
         self._stopping = False
         self._fronts: list[tuple] = []   # the other front processes: (process, pipe)
+        self._reaping = threading.Lock()   # one join at a time: two would race in waitpid
         # Refused at open, as the one-process server does (the learner process counts too).
         self._streams = threading.BoundedSemaphore(options.max_streams)
 
@@ -115,6 +137,8 @@ class FrontServer:
 
     def start(self) -> int:
         """Bind the public port and serve health (NOT_SERVING) and reflection."""
+        if self.index == 0 and self.options.front_processes > 1:
+            _port_free(self.options.host, self.options.port)
         self.port = bind(self._server, self.options)
         self._server.start()
         log.info("listening on %s:%d (%s), front process %d of %d; health NOT_SERVING until "
@@ -180,13 +204,17 @@ class FrontServer:
         o = replace(self.options, port=self.port)
         for index in range(1, o.front_processes):
             conn, child = ctx.Pipe()
-            process = ctx.Process(target=front_main, name=f"duelq-front-{index}", daemon=True,
+            process = ctx.Process(target=front_main, name=f"duelq-front-{index + 1}", daemon=True,
                                   args=(child, o, str(self._dir), _log_setup(), index))
             process.start()
             child.close()
             self._fronts.append((process, conn))
         for index, (process, conn) in enumerate(self._fronts, 1):
-            answer = conn.recv() if conn.poll(FRONT_START_TIMEOUT_S) else ("error", "no answer")
+            try:
+                answer = (conn.recv() if conn.poll(FRONT_START_TIMEOUT_S)
+                          else ("error", f"no answer in {FRONT_START_TIMEOUT_S:g} s"))
+            except (EOFError, OSError):
+                answer = ("error", "it exited while starting (see its log above)")
             if answer[0] != "ready":
                 raise LearnerProcessError(f"front process {index + 1} did not start: "
                                           f"{answer[1]}")
@@ -194,11 +222,13 @@ class FrontServer:
                              name=f"duelq-front-watch-{index}").start()
 
     def _watch_front(self, process, index: int) -> None:
-        process.join()
-        if not self._stopping:
-            log.error("front process %d (pid %d) exited with code %s: its connections are "
-                      "gone, the other fronts serve on", index + 1, process.pid,
-                      process.exitcode)
+        wait_for([process.sentinel])   # not join: stop() may be reaping it meanwhile
+        if self._stopping or self.broken.is_set():
+            return
+        with self._reaping:
+            process.join(0)
+        log.error("front process %d (pid %d) exited with code %s: its connections are gone, "
+                  "the other fronts serve on", index + 1, process.pid, process.exitcode)
 
     def join_learner(self, directory: Path) -> None:
         """(Another front process.) Connect to the learner process that the first front
@@ -255,11 +285,12 @@ class FrontServer:
             self._server.stop(grace).wait()
             if self._slots is not None:   # after the handlers that write into it
                 self._slots.close()
-            for process, _ in self._fronts:
-                process.join(grace + 30)
-                if process.is_alive():
-                    log.error("front process %s did not exit: killing it", process.name)
-                    process.kill()
+            for index, (process, _) in enumerate(self._fronts, 2):
+                with self._reaping:
+                    process.join(grace + 30)
+                    if process.is_alive():
+                        log.error("front process %d did not exit: killing it", index)
+                        process.kill()
             if self.index == 0:
                 shutil.rmtree(self._dir, ignore_errors=True)
             log.info("stopped")
@@ -539,14 +570,20 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         answer = ("checkpoint", (str(exc.path), exc.problem))
     _tell(conn, answer)
     if listener is not None:
+        try:
+            listener.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread
+        except OSError:
+            pass
         listener.close()
     relay.close()   # the slot pools (page-locked on cuda) go with the process
 
 
 def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: ServerOptions,
                    server: LearnerServer) -> None:
-    """Attach each front process that connects to the relay, with the slot pool it sends."""
-    while True:
+    """Attach each of the other front processes as it connects, with the slot pool it sends
+    (``front_processes`` − 1 of them; then the listener closes)."""
+    joined = 0
+    while joined < options.front_processes - 1:
         try:
             sock, _ = listener.accept()
         except OSError:   # closed: the learner process is stopping
@@ -563,3 +600,5 @@ def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: Server
         except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
             log.warning("cannot page-lock a front's slot pool (%s); uploads are staged", exc)
         log.info("front process %d joined the relay", relay.attach(sock, slots) + 1)
+        joined += 1
+    listener.close()

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -464,13 +465,14 @@ def test_a_second_front_gone_ends_its_streams_only():
     streams end (each admitted one counted out once), and the other fronts' go on."""
     closed: list = []
     learner_end, front_end = socket.socketpair()
-    learner = RelayLearner(learner_end, SlotPool(4, 4096),
+    first_slots = SlotPool(4, 4096)
+    learner = RelayLearner(learner_end, first_slots,
                            lambda data, unary, address: _Job(data, queue.SimpleQueue()),
                            lambda job, call: b"ok",
                            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
                            open_stream=lambda: None, close_stream=lambda: closed.append(1))
     learner.start()
-    first = RelayFront(front_end, SlotPool(4, 4096))
+    first = RelayFront(front_end, first_slots)
     second_learner_end, second_front_end = socket.socketpair()
     second_slots = SlotPool(4, 4096)
     assert learner.attach(second_learner_end, second_slots) == 1
@@ -494,3 +496,17 @@ def test_a_second_front_gone_ends_its_streams_only():
     finally:
         first.close()
         learner.close()
+
+
+def test_front_processes_refuse_a_port_another_server_listens_on():
+    """The fronts share their port (SO_REUSEPORT): a second server with several fronts on it
+    would take part of the connections silently, so the first front refuses such a port."""
+    options = ServerOptions(port=0, front_process=True, front_processes=2)
+    first = start_server(SMALL, options, backend="reference")
+    try:
+        taken = FrontServer(replace(options, port=first.port))
+        with pytest.raises(OSError, match="another server"):
+            taken.start()
+        taken.stop(0)
+    finally:
+        first.stop(0)
