@@ -482,8 +482,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     _, fds, _, _ = socket.recv_fds(sock, 1, 1)
     slots = SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fds[0])
     private = replace(options, token="", token_file="", tls_cert="", tls_key="",
-                      tls_client_ca="", front_process=False,
-                      front_processes=1)
+                      tls_client_ca="", front_process=False, front_processes=1)
     server = LearnerServer(private)
     try:
         server.start(address)
