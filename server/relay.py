@@ -15,7 +15,9 @@ Unix socket pair carries fixed-size frames:
                       (TrainResponse bytes, or the error details as UTF-8)
 
 Every REQ gets exactly one REPLY, in order within its stream; the front gives a
-slot back only on its REPLY, so the learner reads the bytes in place.  The learner
+slot back only on its REPLY, so the learner reads the bytes in place.  With several
+front processes (``--front-processes``) each has its own socket and slot pool, and
+stream ids are each front's own.  The learner
 takes requests in arrival order on two threads: one checks the next request and
 starts its copy to the device while the other steps the one before it
 (:class:`RelayLearner`).
