@@ -516,12 +516,13 @@ class RelayLearner:
                     return
                 item = self._prepared.popleft()
                 self._wake.notify_all()   # room for the prepare thread
-            self._reply(item.stream, item.slot, *self._run(item))
-            if self._depth is not None:
-                self._depth.dec()
-            with self._lock:
+            code, payload = self._run(item)
+            with self._lock:   # before the answer: an END it prompts finds the stream idle
                 item.stream.outstanding -= 1
                 done = item.stream.ended and not item.stream.outstanding
+            self._reply(item.stream, item.slot, code, payload)
+            if self._depth is not None:
+                self._depth.dec()
             if done:
                 self._finish(item.stream)
 

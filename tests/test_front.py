@@ -510,3 +510,42 @@ def test_front_processes_refuse_a_port_another_server_listens_on():
         taken.stop(0)
     finally:
         first.stop(0)
+
+
+def test_a_stream_is_counted_out_before_its_last_answer_leaves():
+    """With max_streams 1, a client that gets its stream's last answer, ends the stream and
+    opens the next must be admitted: the learner end counts the first stream's request out
+    before it sends the answer (a slow gauge widens the window in which it did not)."""
+    admitted = threading.BoundedSemaphore(1)
+
+    def open_stream() -> None:
+        if not admitted.acquire(blocking=False):
+            raise RuntimeError("too many concurrent TrainStreams (limit 1)")
+
+    class SlowGauge:
+        def inc(self) -> None:
+            pass
+
+        def dec(self) -> None:
+            time.sleep(0.2)
+
+    learner_end, front_end = socket.socketpair()
+    slots = SlotPool(4, 4096)
+    learner = RelayLearner(learner_end, slots,
+                           lambda data, unary, address: _Job(data, queue.SimpleQueue()),
+                           lambda job, call: b"ok",
+                           lambda exc, unary: (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)),
+                           open_stream=open_stream, close_stream=admitted.release,
+                           depth=SlowGauge())
+    learner.start()
+    front = RelayFront(front_end, slots)
+    try:
+        for _ in range(3):
+            stream = front.open(unary=False, deadline=None)
+            assert stream.submit(b"x")
+            code, payload = next(stream.replies())
+            assert code == grpc.StatusCode.OK, payload
+            stream.close()   # END, and at once the next stream's OPEN
+    finally:
+        front.close()
+        learner.close()
