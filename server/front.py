@@ -91,6 +91,19 @@ def _port_free(host: str, port: int) -> None:
                               f"server there?)") from exc
 
 
+def _slot_pool(options: ServerOptions, fd: int | None = None) -> SlotPool:
+    """A front's slot pool of ``options``' size: a new one, or the one shared as ``fd``."""
+    return SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fd)
+
+
+def _page_lock(server: LearnerServer, slots: SlotPool) -> None:
+    """Let the backend upload straight from ``slots`` (cuda page-locks them)."""
+    try:
+        server.learner.backend.register_host(slots.bytes)
+    except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
+        log.warning("cannot page-lock a relay slot pool (%s); uploads are staged", exc)
+
+
 def _deadline(context: grpc.ServicerContext) -> float | None:
     left = context.time_remaining()
     return None if left is None or left > 1e6 else time.monotonic() + left
@@ -154,7 +167,7 @@ class FrontServer:
         :class:`CheckpointError` or :class:`LearnerProcessError` when it cannot start.
         """
         o = self.options
-        self._slots = slots = SlotPool(o.relay_slots, int(o.relay_slot_mb * (1 << 20)))
+        self._slots = slots = _slot_pool(o)
         mine, theirs = socket.socketpair()
         self._sock = mine
         ctx = multiprocessing.get_context("spawn")
@@ -235,7 +248,7 @@ class FrontServer:
         started, whose sockets are in ``directory``, and report SERVING."""
         o = self.options
         self._dir = directory
-        self._slots = slots = SlotPool(o.relay_slots, int(o.relay_slot_mb * (1 << 20)))
+        self._slots = slots = _slot_pool(o)
         self._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(str(directory / RELAY_SOCKET))
         socket.send_fds(sock, [b"m"], [slots.fd])
@@ -480,7 +493,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-    slots = SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fds[0])
+    slots = _slot_pool(options, fds[0])
     private = replace(options, token="", token_file="", tls_cert="", tls_key="",
                       tls_client_ca="", front_process=False, front_processes=1)
     server = LearnerServer(private)
@@ -496,10 +509,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         server.stop(0)
         return
     service, metrics = server.service, server.metrics
-    try:
-        server.learner.backend.register_host(slots.bytes)   # cuda: uploads straight from it
-    except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
-        log.warning("cannot page-lock the relay's slot pool (%s); uploads are staged", exc)
+    _page_lock(server, slots)
 
     def apply(job: TrainJob, call) -> bytes:
         response = service.apply_train(job, call)
@@ -589,15 +599,12 @@ def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: Server
             return
         try:
             _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-            slots = SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fds[0])
+            slots = _slot_pool(options, fds[0])
         except (OSError, IndexError, ValueError) as exc:
             log.warning("a front process's relay connection failed: %s", exc)
             sock.close()
             continue
-        try:
-            server.learner.backend.register_host(slots.bytes)
-        except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
-            log.warning("cannot page-lock a front's slot pool (%s); uploads are staged", exc)
+        _page_lock(server, slots)
         log.info("front process %d joined the relay", relay.attach(sock, slots) + 1)
         joined += 1
     listener.close()

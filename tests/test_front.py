@@ -220,12 +220,14 @@ class _Job:
             raise RuntimeError("a device fault while giving the upload back (simulated)")
 
 
-def _relay_pair(apply, free: queue.SimpleQueue):
+def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL, **kwargs):
+    """A started RelayLearner and its RelayFront over a socket pair and one slot pool;
+    refusals answered ``code``; ``kwargs``: RelayLearner's (open_stream, depth, …)."""
     learner_end, front_end = socket.socketpair()
     slots = SlotPool(32, 4096)
+    kwargs = {"open_stream": lambda: None, "close_stream": lambda: None, **kwargs}
     learner = RelayLearner(learner_end, slots, lambda data, unary, address: _Job(data, free),
-                           apply, lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None)
+                           apply, lambda exc, unary: (code, str(exc)), **kwargs)
     learner.start()
     return learner, RelayFront(front_end, slots)
 
@@ -464,15 +466,8 @@ def test_a_second_front_gone_ends_its_streams_only():
     """The learner end serves several fronts: when one front's connection closes, its open
     streams end (each admitted one counted out once), and the other fronts' go on."""
     closed: list = []
-    learner_end, front_end = socket.socketpair()
-    first_slots = SlotPool(4, 4096)
-    learner = RelayLearner(learner_end, first_slots,
-                           lambda data, unary, address: _Job(data, queue.SimpleQueue()),
-                           lambda job, call: b"ok",
-                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: closed.append(1))
-    learner.start()
-    first = RelayFront(front_end, first_slots)
+    learner, first = _relay_pair(lambda job, call: b"ok", queue.SimpleQueue(),
+                                 close_stream=lambda: closed.append(1))
     second_learner_end, second_front_end = socket.socketpair()
     second_slots = SlotPool(4, 4096)
     assert learner.attach(second_learner_end, second_slots) == 1
@@ -529,16 +524,10 @@ def test_a_stream_is_counted_out_before_its_last_answer_leaves():
         def dec(self) -> None:
             time.sleep(0.2)
 
-    learner_end, front_end = socket.socketpair()
-    slots = SlotPool(4, 4096)
-    learner = RelayLearner(learner_end, slots,
-                           lambda data, unary, address: _Job(data, queue.SimpleQueue()),
-                           lambda job, call: b"ok",
-                           lambda exc, unary: (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)),
-                           open_stream=open_stream, close_stream=admitted.release,
-                           depth=SlowGauge())
-    learner.start()
-    front = RelayFront(front_end, slots)
+    learner, front = _relay_pair(lambda job, call: b"ok", queue.SimpleQueue(),
+                                 code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 open_stream=open_stream, close_stream=admitted.release,
+                                 depth=SlowGauge())
     try:
         for _ in range(3):
             stream = front.open(unary=False, deadline=None)
