@@ -255,6 +255,9 @@ class CudaBackend(Backend):
         self._entropy_slot = (config.isv_slots[config.step_entropy_slot]
                               if config.step_entropy_slot else -1)
         self._args = [self._fixed_args(cur) for cur in (0, 1)]
+        # The kernel's parameter array for each: launches are serialised and copy their
+        # arguments as they are enqueued, so launch() fills these in place.
+        self._arg_params = [(ctypes.c_void_p * 1)(ctypes.addressof(a)) for a in self._args]
         self.load(state)
 
     def _compile(self, row_tile: int | None, max_smem: int) -> None:
@@ -472,20 +475,23 @@ class CudaBackend(Backend):
     def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None,
                kind: int = 0) -> None:
         """Enqueue the step kernel for features of ``kind`` on staged ``inputs`` (default:
-        the step's own buffer); no copies, no sync."""
+        the step's own buffer); no copies, no sync.  Not thread-safe (the learner's lock
+        serialises steps): it fills in the current state copy's arguments in place."""
         c = self.config
         t = self._step + 1
         G, R, tile = self._shape(batch_size)
-        args = StepArgs.from_buffer_copy(self._args[self._cur])
+        args = self._args[self._cur]
         args.inputs = (self._inputs.device if inputs is None else inputs).data.ptr
         args.out = self._outputs.device_ptr
         args.epoch = self._next_epoch()
         args.batch, args.rows_per_block, args.has_weights = batch_size, R, has_weights
         args.update_target = t % c.target_update_period == 0
-        args.step_size = np.float32(c.lr / (1 - c.beta1 ** t))
-        args.sqrt_bc2 = np.float32(math.sqrt(1 - c.beta2 ** t))
+        args.step_size = c.lr / (1 - c.beta1 ** t)   # rounded to float32 by the field
+        args.sqrt_bc2 = math.sqrt(1 - c.beta2 ** t)
         kernel = self._steps[kind][tile]
-        self._launch_cooperative(kernel.fn, G, THREADS, kernel.smem, args)
+        params = self._arg_params[self._cur]
+        driver.launchCooperativeKernel(kernel.fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
+                                       kernel.smem, self.stream.ptr, ctypes.addressof(params))
 
     def _next_epoch(self) -> int:
         """The next launch's epoch (it also uses epoch − 1 and epoch + 1).
@@ -533,19 +539,19 @@ class CudaBackend(Backend):
         td = out[:2 * B].copy()                  # td_errors, priorities
         # Per-block partials [5, G]: finite flag, slice norm, loss, Q sums, inputs valid.
         # Norms², losses and Q sums are added in block order in float64 (cumsum: one pass,
-        # the same sums as Python's left to right).
+        # the same sums as Python's left to right).  The flags are 1.0 or 0.0, so they are
+        # all 1.0 exactly when they add up to G.
         parts = out[2 * B + 1:words].reshape(5, G).astype(np.float64)
         parts[1] *= parts[1]
-        _, norm2, loss_sum, q_sum, _ = np.cumsum(parts, axis=1)[:, -1].tolist()
+        finite, norm2, loss_sum, q_sum, valid = parts.cumsum(axis=1)[:, -1].tolist()
         loss, q_mean = loss_sum / B, q_sum / B
-        flags = parts[::4] == 1.0                # finite, inputs valid: [2, G]
         self._pending = True
         return StepOutputs(
             loss=loss, td_errors=td[:B], priorities=td[B:], q_taken_mean=q_mean,
             grad_norm=math.sqrt(norm2),
-            finite=bool(flags[0].all()) and math.isfinite(loss) and math.isfinite(q_mean),
+            finite=finite == G and math.isfinite(loss) and math.isfinite(q_mean),
             entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
-            inputs_valid=bool(flags[1].all()))
+            inputs_valid=valid == G)
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

@@ -27,7 +27,6 @@ import logging
 import secrets
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any, Callable, Iterator
@@ -230,6 +229,20 @@ class TrainJob:
         self.prepared.__exit__()
 
 
+class _Release:
+    """Leaving a ``with`` block releases ``lock``, which the block's owner took (a plain
+    object: a generator-based context manager costs more, on every step)."""
+
+    def __init__(self, lock: threading.Lock):
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the server enforces besides the learner's own checks."""
@@ -251,6 +264,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._learner: Learner | None = None
         self._plans = Plans()   # per wire layout, for the attached learner (its .learner)
         self._apply_lock = threading.Lock()
+        self._release = _Release(self._apply_lock)   # what _admit returns
         self._queue_lock = threading.Lock()  # guards _waiting and _draining
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
         self._draining = False
@@ -280,9 +294,9 @@ class LearnerService(pb_grpc.LearnerServicer):
                     return
             time.sleep(0.001)
 
-    @contextmanager
-    def _admit(self, context: grpc.ServicerContext | None, *, changes: bool):
-        """Hold the apply lock for one request: bounded queue, deadline, drain."""
+    def _admit(self, context: grpc.ServicerContext | None, *, changes: bool) -> "_Release":
+        """Take the apply lock for one request (bounded queue, deadline, drain); returns
+        what gives it back at the end of a ``with`` block."""
         with self._queue_lock:
             if changes:
                 self._refuse_if_draining()
@@ -302,13 +316,11 @@ class LearnerService(pb_grpc.LearnerServicer):
         if not got:
             raise Expired("the deadline passed while the request waited for the learner; "
                           "it was not applied")
-        try:
-            if context is not None and not context.is_active():
-                raise Expired("the call ended (deadline or cancellation) while the request "
-                              "waited for the learner; it was not applied")
-            yield
-        finally:
+        if context is not None and not context.is_active():
             self._apply_lock.release()
+            raise Expired("the call ended (deadline or cancellation) while the request "
+                          "waited for the learner; it was not applied")
+        return self._release
 
     def _refuse_if_draining(self) -> None:
         if self._draining:
