@@ -1,16 +1,18 @@
 """Host time of the learner process's relay path per request: one thread, no gRPC.
 
-    python3 benchmarks/learner_path.py [--backend cuda] [--batch 1024] [--requests 2000]
-                                       [--profile]
+    python3 benchmarks/learner_path.py [--backend cuda] [--batch 1024] [--requests 1000]
+                                       [--repeats 5] [--profile]
 
 Builds a server's service on ``--backend`` and, for each request, does what the front and
 learner processes of ``--front-process`` do with it: copy the request's bytes into a slot
 of a (page-locked on cuda) slot pool, then ``relay_prepare`` (parse, decode, checks, the
 copy towards the device), ``apply_train`` (idempotency key, step, response) and serialise
-the response.  Requests are distinct batches with keys, as from an actor.  Reports wall and
-CPU µs per request with and without the slot copy and, on cuda, the step's wait for the
-device (each step is waited for before the next request is read, so nothing overlaps it);
---profile adds cProfile's top entries.
+the response.  Requests carry distinct keys, as from an actor (their batches cycle through
+256 distinct ones).  Reports wall and CPU µs per request with and without the slot copy
+and, on cuda, the step's wait for the device (each step is waited for before the next
+request is read, so nothing overlaps it): the median and the range over ``--repeats``
+blocks of ``--requests`` each, since one host's figures drift by tens of per cent from
+block to block; --profile adds cProfile's top entries over one more block.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import numpy as np
@@ -29,7 +32,8 @@ from duelq.server.relay import SlotPool
 from duelq.server.server import ServerOptions, start_server
 
 SLOTS = 8
-WARM = 300   # requests before the timing, under a key of their own
+WARM = 300       # requests before the timing
+BATCHES = 256    # distinct batches the requests cycle through
 
 
 class TimedStream:
@@ -58,23 +62,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=1000, help="per block")
+    parser.add_argument("--repeats", type=int, default=5, help="timed blocks")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    if args.requests < 1 or args.repeats < 1:
+        parser.error("--requests and --repeats must be ≥ 1")
     config = LearnerConfig()
     server = start_server(config, ServerOptions(port=0), backend=args.backend)
     service, backend = server.service, server.learner.backend
     rng = np.random.default_rng(0)
     n = args.requests
-    requests = [encode_batch_wire(make_batch(rng, args.batch, config.hidden_dim,
-                                             config.n_actions, "float32"),
-                                  actor_id="warm-up" if i < WARM else "bench-0-1234-5678",
-                                  seq=i + 1)
-                for i in range(WARM + (2 if args.profile else 1) * n)]
-    slots = SlotPool(SLOTS, max(len(r) for r in requests))
+    batches = [make_batch(rng, args.batch, config.hidden_dim, config.n_actions, "float32")
+               for _ in range(min(BATCHES, WARM + n))]
+    sent = 0   # requests encoded so far: the next one's seq is sent + 1
+
+    def encode(count: int) -> list[bytes]:
+        nonlocal sent
+        first, sent = sent, sent + count
+        return [encode_batch_wire(batches[i % len(batches)], actor_id="bench-0-1234-5678",
+                                  seq=i + 1) for i in range(first, sent)]
+    requests = encode(WARM)
+    slots = SlotPool(SLOTS, 2 * len(requests[0]))   # room for the key's seq to grow
     backend.register_host(slots.bytes)
     if args.backend == "cuda":
         backend.stream = TimedStream(backend.stream)
+    stream = getattr(backend, "stream", None)
 
     def copy(i: int) -> None:
         slots.write(i % SLOTS, requests[i])
@@ -86,36 +99,49 @@ def main() -> None:
                                    slots.address(slot)) as job:
             return service.apply_train(job, None).SerializeToString()
 
-    def timed(fn, first: int) -> tuple[float, float]:
+    def timed(fn) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.process_time()
-        for i in range(first, first + n):
+        for i in range(n):
             fn(i)
         return (1e6 * (time.perf_counter() - wall) / n, 1e6 * (time.process_time() - cpu) / n)
+    rows: dict[str, list[float]] = {}   # figure → one value per block
     try:
         for i in range(WARM):
             relay(i)
-        stream = getattr(backend, "stream", None)
-        waited = getattr(stream, "waited", 0.0)
-        whole = timed(relay, WARM)
-        waited = 1e6 * (getattr(stream, "waited", 0.0) - waited) / n
-        slot_copy = timed(copy, WARM)
+        for _ in range(args.repeats):
+            requests = encode(n)
+            waited = getattr(stream, "waited", 0.0)
+            whole = timed(relay)
+            wait = 1e6 * (getattr(stream, "waited", 0.0) - waited) / n
+            slot_copy = timed(copy)
+            for name, value in (("whole", whole[0]), ("whole cpu", whole[1]),
+                                ("copy", slot_copy[0]), ("copy cpu", slot_copy[1]),
+                                ("share", whole[0] - slot_copy[0]),
+                                ("share cpu", whole[1] - slot_copy[1]), ("wait", wait),
+                                ("host", whole[0] - slot_copy[0] - wait)):
+                rows.setdefault(name, []).append(value)
         if args.profile:
+            requests = encode(n)
             profile = cProfile.Profile()
-            profile.runcall(lambda: [relay(i) for i in range(WARM + n, WARM + 2 * n)])
+            profile.runcall(lambda: [relay(i) for i in range(n)])
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     finally:
         server.stop(0)   # the slot pool (page-locked on cuda) goes with the process
-    print(f"\n{args.backend}, B = {args.batch} float32, {n} requests, one thread")
+
+    def cell(name: str) -> str:
+        values = rows[name]
+        return (f"{statistics.median(values):.0f} [{min(values):.0f}–{max(values):.0f}]"
+                if len(values) > 1 else f"{values[0]:.0f}")
+    print(f"\n{args.backend}, B = {args.batch} float32, one thread, {args.repeats} blocks of "
+          f"{n} requests: median [range]")
     print("| part | wall µs/request | CPU µs/request |")
     print("|---|---|---|")
-    print(f"| slot copy + prepare + apply + serialise | {whole[0]:.0f} | {whole[1]:.0f} |")
-    print(f"| slot copy alone (the front's share) | {slot_copy[0]:.0f} | {slot_copy[1]:.0f} |")
-    print(f"| the learner's share | {whole[0] - slot_copy[0]:.0f} | "
-          f"{whole[1] - slot_copy[1]:.0f} |")
+    print(f"| slot copy + prepare + apply + serialise | {cell('whole')} | {cell('whole cpu')} |")
+    print(f"| slot copy alone (the front's share) | {cell('copy')} | {cell('copy cpu')} |")
+    print(f"| the learner's share | {cell('share')} | {cell('share cpu')} |")
     if args.backend == "cuda":
-        print(f"| of which the step's wait for the device (stream sync) | {waited:.0f} | |")
-        print(f"| the learner's host work (share less that wait) | "
-              f"{whole[0] - slot_copy[0] - waited:.0f} | |")
+        print(f"| of which the step's wait for the device (stream sync) | {cell('wait')} | |")
+        print(f"| the learner's host work (share less that wait) | {cell('host')} | |")
 
 
 if __name__ == "__main__":

@@ -169,7 +169,8 @@ def plot(result: dict, path: Path) -> None:
     right.set(xlabel="actor processes", ylabel="transitions / s", ylim=(0, None),
               title=f"scaling, B={result['meta']['scaling_batch']} float32")
     right.grid(True, alpha=0.3)
-    right.legend(fontsize=7)
+    if scaling:   # no scaling cells (--scaling-actors ""): an empty panel, no legend
+        right.legend(fontsize=7)
     meta = result["meta"]
     fig.suptitle(f"duelq bench: backend {meta['backend']} on {meta['device']}; "
                  f"{meta['cpus']} CPUs; H={meta['hidden_dim']} N={meta['n_actions']}",
