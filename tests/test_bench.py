@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +49,25 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     assert any("server_us" in r for r in rows)   # in-process: server-side overhead
     assert "skipped" in result["device_step"]     # no GPU in the suite
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_learner_path_reports_median_and_range_per_part():
+    """benchmarks/learner_path.py runs on the reference backend and prints each part as
+    "median [min–max]" over its blocks (the figures themselves are not checked)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "learner_path.py"
+    done = subprocess.run([sys.executable, str(script), "--backend", "reference", "--batch",
+                           "32", "--requests", "20", "--repeats", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 blocks of 20 requests" in done.stdout
+    cells = re.findall(r"^\| (slot copy[^|]*|the learner's share) \| (\S+) \[(\S+)–(\S+)\] \|",
+                       done.stdout, re.MULTILINE)
+    assert len(cells) == 3, done.stdout
+    for _, median, low, high in cells:
+        assert float(low) <= float(median) <= float(high)
+    bad = subprocess.run([sys.executable, str(script), "--repeats", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--repeats" in bad.stderr
 
 
 @pytest.mark.parametrize("flags, problem", [
