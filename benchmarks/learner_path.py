@@ -109,6 +109,7 @@ def main() -> None:
         for i in range(WARM):
             relay(i)
         for _ in range(args.repeats):
+            requests = []          # the last block's, freed before the next is encoded
             requests = encode(n)
             waited = getattr(stream, "waited", 0.0)
             whole = timed(relay)

@@ -230,17 +230,17 @@ class TrainJob:
 
 
 class _Release:
-    """Leaving a ``with`` block releases ``lock``, which the block's owner took (a plain
-    object: a generator-based context manager costs more, on every step)."""
+    """Leaving a ``with`` block releases the service's apply lock, which the block's owner
+    took (a plain object: a generator-based context manager costs more, on every step)."""
 
-    def __init__(self, lock: threading.Lock):
-        self._lock = lock
+    def __init__(self, service: "LearnerService"):
+        self._service = service
 
     def __enter__(self) -> None:
         pass
 
     def __exit__(self, *exc) -> None:
-        self._lock.release()
+        self._service._apply_lock.release()
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._learner: Learner | None = None
         self._plans = Plans()   # per wire layout, for the attached learner (its .learner)
         self._apply_lock = threading.Lock()
-        self._release = _Release(self._apply_lock)   # what _admit returns
+        self._release = _Release(self)   # what _admit returns
         self._queue_lock = threading.Lock()  # guards _waiting and _draining
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
         self._draining = False
