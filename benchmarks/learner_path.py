@@ -3,7 +3,8 @@
     python3 benchmarks/learner_path.py [--backend cuda] [--batch 1024] [--requests 1000]
                                        [--repeats 5] [--profile]
 
-Builds a server's service on ``--backend`` and, for each request, does what the front and
+Builds a server's service on ``--backend`` (``null``: steps with no arithmetic, values
+left unchecked on the host as on cuda) and, for each request, does what the front and
 learner processes of ``--front-process`` do with it: copy the request's bytes into a slot
 of a (page-locked on cuda) slot pool, then ``relay_prepare`` (parse, decode, checks, the
 copy towards the device), ``apply_train`` (idempotency key, step, response) and serialise
@@ -28,8 +29,8 @@ import numpy as np
 from duelq.client.client import encode_batch_wire
 from duelq.server.bench.actors import make_batch
 from duelq.server.config import LearnerConfig
+from duelq.server.bench.servers import serve_for_paths
 from duelq.server.relay import SlotPool
-from duelq.server.server import ServerOptions, start_server
 
 SLOTS = 8
 WARM = 300       # requests before the timing
@@ -60,7 +61,7 @@ class TimedStream:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "reference", "null"))
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=1000, help="per block")
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks")
@@ -69,7 +70,7 @@ def main() -> None:
     if args.requests < 1 or args.repeats < 1:
         parser.error("--requests and --repeats must be ≥ 1")
     config = LearnerConfig()
-    server = start_server(config, ServerOptions(port=0), backend=args.backend)
+    server = serve_for_paths(config, args.backend)
     service, backend = server.service, server.learner.backend
     rng = np.random.default_rng(0)
     n = args.requests

@@ -370,7 +370,10 @@ class RelayLearner:
         self._lock = threading.Lock()
         self._received: deque[_Item] = deque()     # for the prepare thread
         self._prepared: deque[_Item] = deque()     # for the apply thread
-        self._wake = threading.Condition(self._lock)
+        # One condition per waiting thread, so each hand-over wakes only the thread it is
+        # for (one shared condition woke both on every event: a third of the relay's GIL).
+        self._prepare_wake = threading.Condition(self._lock)   # received, room, or closing
+        self._apply_wake = threading.Condition(self._lock)     # prepared, or prepare done
         self._closing = False         # the reader has ended: drain, then stop
         self._prepare_done = False    # the prepare thread has stopped
         self.closed = threading.Event()
@@ -432,7 +435,7 @@ class RelayLearner:
                             ended.append(stream)
                 if front.index == 0:
                     self._closing = True
-                self._wake.notify_all()
+                    self._prepare_wake.notify()
             for stream in ended:   # the others end with their last answer
                 self._finish(stream)
             if front.index == 0:
@@ -460,7 +463,7 @@ class RelayLearner:
                     self._depth.inc()
                 stream.outstanding += 1
                 self._received.append(_Item(stream, slot, data, deadline))
-                self._wake.notify_all()
+                self._prepare_wake.notify()
                 return
         # Not open (a front bug): answer, so its slot comes back.
         self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
@@ -489,10 +492,10 @@ class RelayLearner:
             with self._lock:   # room first: a job holds one of the backend's upload slots
                 while not self._closing and (not self._received
                                              or len(self._prepared) >= AHEAD):
-                    self._wake.wait()
+                    self._prepare_wake.wait()
                 if not self._received:
                     self._prepare_done = True
-                    self._wake.notify_all()
+                    self._apply_wake.notify()
                     return
                 item = self._received.popleft()
             stream = item.stream
@@ -505,17 +508,17 @@ class RelayLearner:
                     item.error = exc
             with self._lock:
                 self._prepared.append(item)
-                self._wake.notify_all()
+                self._apply_wake.notify()
 
     def _apply_loop(self) -> None:
         while True:
             with self._lock:
                 while not self._prepared and not self._prepare_done:
-                    self._wake.wait()
+                    self._apply_wake.wait()
                 if not self._prepared:
                     return
                 item = self._prepared.popleft()
-                self._wake.notify_all()   # room for the prepare thread
+                self._prepare_wake.notify()   # room for the next prepared request
             code, payload = self._run(item)
             with self._lock:   # before the answer: an END it prompts finds the stream idle
                 item.stream.outstanding -= 1

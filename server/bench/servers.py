@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from ..backend import Backend, StepOutputs, Upload
-from ..batch import Batch
+from ..batch import BFLOAT16, Batch
 from ..config import LearnerConfig
 from ..learner import Learner
 from ..reference import ReferenceBackend
@@ -85,6 +85,32 @@ class NullBackend(ReferenceBackend):
 
     def discard(self) -> None:
         pass
+
+
+class UncheckedNullBackend(NullBackend):
+    """A NullBackend that, like cuda, leaves the values to the device (the host checks
+    dtypes and shapes only) and takes 16-bit features as they come: the host path of a
+    cuda step without the device (benchmarks/learner_path.py and relay_path.py)."""
+
+    checks_values = True
+    feature_dtypes = (np.dtype(np.float16), BFLOAT16)
+
+
+def serve_for_paths(config: LearnerConfig, backend: str) -> LearnerServer:
+    """A started server (gRPC on an unused port) whose service the path benchmarks drive
+    directly, on ``backend``: cuda, reference, or null (:class:`UncheckedNullBackend`)."""
+    server = LearnerServer(ServerOptions(port=0))
+    server.start()
+    try:
+        if backend == "null":
+            server.attach(Learner(config, backend=UncheckedNullBackend(
+                config, LearnerState.initial(config))))
+        else:
+            server.serve_learner(config, backend=backend)
+    except BaseException:
+        server.stop(0)
+        raise
+    return server
 
 
 class TimedBackend(Backend):

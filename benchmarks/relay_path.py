@@ -1,0 +1,185 @@
+"""The learner process's relay at full speed: several front processes, no gRPC.
+
+    python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
+        [--streams 2] [--window 8] [--batch 1024] [--duration 5]
+
+This process plays a ``--front-process`` server's learner process: the service on
+``--backend`` behind a RelayLearner (a reader thread per front, the prepare and apply
+threads), each front's slot pool page-locked on cuda.  Each of ``--fronts`` child processes
+plays a front with the real RelayFront: ``--streams`` TrainStreams that keep ``--window``
+requests in flight, every request with a key of its own (B = ``--batch`` float32).  With
+no gRPC and no actors, what is left is the relay and the learner's own work, under the
+same threads and hand-overs as in the server.  Reports steps/s and this process's CPU per
+step over ``--duration`` seconds after a 0.5 s warm-up, to set against
+benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
+arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
+them): the service and relay alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+WARMUP_S = 0.5
+SLOTS = 16            # per front, as --relay-slots's default
+BODIES = 8            # distinct batches a front's requests cycle through
+
+
+def _front(args: argparse.Namespace) -> None:
+    """A front process: --streams streams over the relay until the run's end; prints the
+    answers it got as JSON."""
+    from duelq.client.client import encode_batch_wire
+    from duelq.server.bench.actors import make_batch
+    from duelq.server.config import LearnerConfig
+    from duelq.server.relay import RelayFront, SlotPool
+    from duelq.v1 import learner_pb2 as pb
+
+    config = LearnerConfig()
+    rng = np.random.default_rng(args.index)
+    bodies = [encode_batch_wire(make_batch(rng, args.batch, config.hidden_dim,
+                                           config.n_actions, "float32"))
+              for _ in range(BODIES)]
+    front = RelayFront(socket.socket(fileno=args.sock_fd),
+                       SlotPool(SLOTS, args.slot_size, fd=args.pool_fd))
+    counts = [0] * args.streams
+    end = args.start_at + WARMUP_S + args.duration + 0.2
+
+    def request(stream: int, seq: int) -> bytes:   # the key last, as the client encodes it
+        key = pb.RequestKey(actor_id=f"relay-{args.index}-{stream}", seq=seq)
+        return (bodies[seq % BODIES] + b"\x42" + _varint(key.ByteSize())
+                + key.SerializeToString())
+
+    def run(s: int) -> None:
+        stream = front.open(unary=False, deadline=None)
+        seq = 0
+        for _ in range(args.window):
+            seq += 1
+            stream.submit(request(s, seq))
+        sending = True
+        for code, payload in stream.replies():
+            counts[s] += code.name == "OK"
+            if sending and time.time() < end:
+                seq += 1
+                stream.submit(request(s, seq))
+            elif sending:
+                stream.done_sending()
+                sending = False
+        stream.close()
+    time.sleep(max(0.0, args.start_at - time.time()))
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(args.streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    front.close()
+    print(json.dumps({"answers": sum(counts)}))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _learner(args: argparse.Namespace) -> dict:
+    """Serve --fronts child fronts from this process; returns the figures."""
+    import grpc
+
+    from duelq.client.client import encode_batch_wire
+    from duelq.server.bench.actors import make_batch
+    from duelq.server.bench.servers import serve_for_paths
+    from duelq.server.config import LearnerConfig
+    from duelq.server.relay import RelayLearner, SlotPool
+    from duelq.server.service import refusal
+
+    config = LearnerConfig()
+    server = serve_for_paths(config, args.backend)
+    service = server.service
+    learner = service.learner
+    size = 2 * len(encode_batch_wire(make_batch(np.random.default_rng(0), args.batch,
+                                                config.hidden_dim, config.n_actions,
+                                                "float32"), actor_id="relay-00-00", seq=1))
+    pools = [SlotPool(SLOTS, size) for _ in range(args.fronts)]
+    ends = [socket.socketpair() for _ in range(args.fronts)]
+    for pool in pools:
+        learner.backend.register_host(pool.bytes)
+
+    def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
+        return refusal(exc, "TrainStream", "relay")
+    relay = RelayLearner(ends[0][0], pools[0], service.relay_prepare,
+                         lambda job, call: service.apply_train(job, call).SerializeToString(),
+                         refuse, open_stream=service.open_stream,
+                         close_stream=service.close_stream)
+    relay.start()
+    for (mine, _), pool in list(zip(ends, pools))[1:]:
+        relay.attach(mine, pool)
+    start_at = time.time() + 3.0   # the fronts encode their batches meanwhile
+    children = [subprocess.Popen(
+        [sys.executable, __file__, "--front-child", str(i), "--sock-fd", str(theirs.fileno()),
+         "--pool-fd", str(pool.fd), "--slot-size", str(size), "--start-at", str(start_at),
+         "--streams", str(args.streams), "--window", str(args.window),
+         "--batch", str(args.batch), "--duration", str(args.duration)],
+        pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True)
+        for i, ((_, theirs), pool) in enumerate(zip(ends, pools))]
+    for _, theirs in ends:
+        theirs.close()
+    try:
+        time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
+        steps, cpu, wall = learner.step_count, time.process_time(), time.perf_counter()
+        time.sleep(args.duration)
+        steps = learner.step_count - steps
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        answers = sum(json.loads(child.communicate(timeout=120)[0])["answers"]
+                      for child in children)
+    finally:
+        for child in children:
+            child.kill()
+        relay.close()
+        server.stop(0)
+    if any(child.returncode for child in children):
+        raise SystemExit(f"a front failed: exit codes {[c.returncode for c in children]}")
+    return {"steps_per_s": steps / wall, "cpu_us_per_step": 1e6 * cpu / max(steps, 1),
+            "answers": answers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "reference", "null"))
+    parser.add_argument("--fronts", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=2, help="per front")
+    parser.add_argument("--window", type=int, default=8, help="requests in flight per stream")
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds measured")
+    parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
+    for name in ("--sock-fd", "--pool-fd", "--slot-size"):
+        parser.add_argument(name, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.index is not None:
+        _front(args)
+        return
+    if min(args.fronts, args.streams, args.window, args.batch) < 1 or args.duration <= 0:
+        parser.error("--fronts, --streams, --window and --batch must be ≥ 1, --duration > 0")
+    result = _learner(args)
+    if not result["answers"]:
+        raise SystemExit("no request was answered")
+    print(f"\n{args.backend}, B = {args.batch} float32, {args.fronts} fronts × {args.streams} "
+          f"streams × window {args.window}, {args.duration:g} s")
+    print("| steps/s | learner process CPU µs/step (relay threads and backend) |")
+    print("|---|---|")
+    print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
