@@ -117,12 +117,15 @@ def _learner(args: argparse.Namespace) -> dict:
 
     def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
         return refusal(exc, "TrainStream", "relay")
-    relay = RelayLearner(ends[0][0], pools[0], service.relay_prepare,
+    # The relay's first front, whose end is the relay's, is this process's own: the child
+    # fronts are all "other" fronts, so one that finishes first ends only its streams.
+    first, first_end = socket.socketpair()
+    relay = RelayLearner(first, SlotPool(1, 4096), service.relay_prepare,
                          lambda job, call: service.apply_train(job, call).SerializeToString(),
                          refuse, open_stream=service.open_stream,
                          close_stream=service.close_stream)
     relay.start()
-    for (mine, _), pool in list(zip(ends, pools))[1:]:
+    for (mine, _), pool in zip(ends, pools):
         relay.attach(mine, pool)
     start_at = time.time() + 3.0   # the fronts encode their batches meanwhile
     children = [subprocess.Popen(
@@ -146,6 +149,7 @@ def _learner(args: argparse.Namespace) -> dict:
         for child in children:
             child.kill()
         relay.close()
+        first_end.close()
         server.stop(0)
     if any(child.returncode for child in children):
         raise SystemExit(f"a front failed: exit codes {[c.returncode for c in children]}")

@@ -18,9 +18,9 @@ Every REQ gets exactly one REPLY, in order within its stream; the front gives a
 slot back only on its REPLY, so the learner reads the bytes in place.  With several
 front processes (``--front-processes``) each has its own socket and slot pool, and
 stream ids are each front's own.  The learner
-takes requests in arrival order on two threads: one checks the next request and
-starts its copy to the device while the other steps the one before it
-(:class:`RelayLearner`).
+takes requests in arrival order on two threads: one reads every front's frames and
+checks the next request and starts its copy to the device, while the other steps the one
+before it (:class:`RelayLearner`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import queue
+import selectors
 import socket
 import struct
 import threading
@@ -297,6 +298,7 @@ class _Front:
     def __init__(self, index: int, sock: socket.socket, slots: SlotPool):
         self.index, self.sock, self.slots = index, sock, slots
         self.send_lock = threading.Lock()
+        self.unread = bytearray()   # bytes received and not yet framed (the intake's)
 
 
 class _LearnerStream:
@@ -345,15 +347,17 @@ AHEAD = 2
 
 
 class RelayLearner:
-    """The learner process's end: two threads take every request in arrival order.  One
-    parses and checks a request and starts its copy to the device while the other steps
-    the one before and replies, so a step's device time overlaps the next request's host
-    work; one thread each, not one per stream, so the GIL is not contended.  A stream's
-    requests are answered in its order, and none after its first refusal is applied.
+    """The learner process's end: two threads take every request in arrival order.  The
+    intake thread reads every front's frames (one selector), checks the next request and
+    starts its copy to the device while the apply thread steps the one before and replies,
+    so a step's device time overlaps the next request's host work.  Two threads in all, not
+    one per stream nor one per front, so a request crosses one thread hand-over and the
+    GIL is not contended.  A stream's requests are answered in its order, and none after
+    its first refusal is applied.
 
-    ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts (each
-    read by a thread of its own).  When the first front's connection closes, the relay
-    drains and ends; when another's does, only that front's streams end."""
+    ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts.  When
+    the first front's connection closes, the relay drains and ends; when another's does,
+    only that front's streams end."""
 
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
@@ -361,6 +365,7 @@ class RelayLearner:
                  refused: Callable[[str, str], None] = lambda method, code: None,
                  relayed: Callable[[int], None] = lambda front: None):
         self._fronts = [_Front(0, sock, slots)]
+        self._joining = list(self._fronts)   # attached, not yet read by the intake
         self._relayed = relayed   # (front index) per request received
         self._depth = depth   # counts requests from their arrival to their answer
         self._refused = refused   # (method, code name) of an rpc the front refused
@@ -368,23 +373,18 @@ class RelayLearner:
         self._open_stream, self._close_stream = open_stream, close_stream
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._lock = threading.Lock()
-        self._received: deque[_Item] = deque()     # for the prepare thread
+        self._received: deque[_Item] = deque()     # the intake's, not yet prepared
         self._prepared: deque[_Item] = deque()     # for the apply thread
-        # One condition per waiting thread, so each hand-over wakes only the thread it is
-        # for (one shared condition woke both on every event: a third of the relay's GIL).
-        self._prepare_wake = threading.Condition(self._lock)   # received, room, or closing
-        self._apply_wake = threading.Condition(self._lock)     # prepared, or prepare done
-        self._closing = False         # the reader has ended: drain, then stop
-        self._prepare_done = False    # the prepare thread has stopped
+        self._apply_wake = threading.Condition(self._lock)   # prepared, or the intake ended
+        self._waiting_room = False    # the intake waits for the apply thread to take one
+        self._intake_done = False     # the intake thread has stopped
+        # A byte on this pair wakes the intake's select: room, a front attached, close.
+        self._wake_out, self._wake_in = socket.socketpair()
+        self._wake_out.setblocking(False)
         self.closed = threading.Event()
         self._threads = [threading.Thread(target=target, name=f"duelq-relay-{name}", daemon=True)
-                         for target, name in ((self._prepare_loop, "prepare"),
+                         for target, name in ((self._intake, "intake"),
                                               (self._apply_loop, "apply"))]
-        self._threads.append(self._reader(self._fronts[0]))
-
-    def _reader(self, front: _Front) -> threading.Thread:
-        return threading.Thread(target=self._read, args=(front,), daemon=True,
-                                name=f"duelq-relay-learner-{front.index}")
 
     def start(self) -> None:
         for thread in self._threads:
@@ -395,51 +395,102 @@ class RelayLearner:
         with self._lock:
             front = _Front(len(self._fronts), sock, slots)
             self._fronts.append(front)
-            thread = self._reader(front)
-            self._threads.append(thread)
-        thread.start()
+            self._joining.append(front)
+        self._wake()
         return front.index
 
-    def _read(self, front: _Front) -> None:
-        rfile = front.sock.makefile("rb", buffering=1 << 16)
+    def _wake(self) -> None:
+        try:
+            self._wake_out.send(b"\0")
+        except OSError:   # full (a wake is pending anyway) or closed
+            pass
+
+    def _intake(self) -> None:
+        """Read the fronts' frames and prepare their requests in arrival order, at most
+        AHEAD waiting for the apply thread; ends once the first front's connection has
+        closed and every request received is prepared."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_in, selectors.EVENT_READ)
+        closing = False
         try:
             while True:
-                op, sid, slot, n, deadline = _FRAME.unpack(_recv_exact(rfile, _FRAME.size))
-                data = None
-                if op == REQ:
-                    data = (front.slots.slot(slot, n) if slot >= 0
-                            else memoryview(_recv_exact(rfile, n)))
-                elif op == REFUSED:
-                    data = _recv_exact(rfile, n)
-                try:
-                    if op == OPEN:
-                        self._open(front, sid, unary=bool(slot))
-                    elif op == REQ:
-                        self._enqueue(front, sid, slot, data, deadline)
-                    elif op == END:
-                        self._end(front, sid)
-                    elif op == REFUSED:
-                        method, _, code = data.decode().rpartition(" ")
-                        self._refused(method, code)
-                except Exception:  # noqa: BLE001 — one bad frame must not end the relay
-                    log.exception("relay frame %d of stream %d failed", op, sid)
-        except (RelayClosed, OSError, struct.error) as exc:
-            log.info("relay closed (front process %d): %s", front.index + 1, exc)
+                with self._lock:
+                    joining, self._joining = self._joining, []
+                    room = len(self._prepared) < AHEAD
+                    self._waiting_room = bool(self._received) and not room
+                for front in joining:
+                    selector.register(front.sock, selectors.EVENT_READ, front)
+                timeout = None   # wait for a frame (or a wake)
+                if self._received and (room or closing):
+                    self._prepare_next()
+                    timeout = 0  # look for frames (likely there), then on to the next request
+                elif closing:
+                    return
+                for key, _ in selector.select(timeout):
+                    front = key.data
+                    if front is None:
+                        self._wake_in.recv(4096)
+                    elif not self._read(front):
+                        selector.unregister(front.sock)
+                        self._front_closed(front)
+                        closing = closing or front.index == 0
         finally:
-            ended = []
+            selector.close()
             with self._lock:
-                for stream in self._streams.values():
-                    if front.index == 0 or stream.front is front:
-                        stream.ended = True
-                        if not stream.outstanding:
-                            ended.append(stream)
-                if front.index == 0:
-                    self._closing = True
-                    self._prepare_wake.notify()
-            for stream in ended:   # the others end with their last answer
-                self._finish(stream)
-            if front.index == 0:
-                self.closed.set()
+                self._intake_done = True
+                self._apply_wake.notify()
+
+    def _read(self, front: _Front) -> bool:
+        """Take what ``front`` sent and act on its complete frames; False once its
+        connection has closed."""
+        try:
+            chunk = front.sock.recv(1 << 16)
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        unread = front.unread
+        unread += chunk
+        at, size = 0, _FRAME.size
+        while len(unread) - at >= size:
+            op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
+            inline = op == REFUSED or (op == REQ and slot < 0)   # its bytes follow the frame
+            end = at + size + (n if inline else 0)
+            if len(unread) < end:
+                break
+            payload = bytes(unread[at + size:end]) if inline else b""
+            at = end
+            try:
+                if op == OPEN:
+                    self._open(front, sid, unary=bool(slot))
+                elif op == REQ:
+                    self._enqueue(front, sid, slot, front.slots.slot(slot, n) if slot >= 0
+                                  else memoryview(payload), deadline)
+                elif op == END:
+                    self._end(front, sid)
+                elif op == REFUSED:
+                    method, _, code = payload.decode().rpartition(" ")
+                    self._refused(method, code)
+            except Exception:  # noqa: BLE001 — one bad frame must not end the relay
+                log.exception("relay frame %d of stream %d failed", op, sid)
+        del unread[:at]
+        return True
+
+    def _front_closed(self, front: _Front) -> None:
+        """``front``'s connection closed: its streams end (every stream, for the first
+        front, whose end is the relay's)."""
+        log.info("relay closed (front process %d)", front.index + 1)
+        ended = []
+        with self._lock:
+            for stream in self._streams.values():
+                if front.index == 0 or stream.front is front:
+                    stream.ended = True
+                    if not stream.outstanding:
+                        ended.append(stream)
+        for stream in ended:   # the others end with their last answer
+            self._finish(stream)
+        if front.index == 0:
+            self.closed.set()
 
     def _open(self, front: _Front, sid: int, unary: bool) -> None:
         stream = _LearnerStream(front, sid, unary)
@@ -463,7 +514,6 @@ class RelayLearner:
                     self._depth.inc()
                 stream.outstanding += 1
                 self._received.append(_Item(stream, slot, data, deadline))
-                self._prepare_wake.notify()
                 return
         # Not open (a front bug): answer, so its slot comes back.
         self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
@@ -487,38 +537,33 @@ class RelayLearner:
         if stream.admitted:
             self._close_stream()
 
-    def _prepare_loop(self) -> None:
-        while True:
-            with self._lock:   # room first: a job holds one of the backend's upload slots
-                while not self._closing and (not self._received
-                                             or len(self._prepared) >= AHEAD):
-                    self._prepare_wake.wait()
-                if not self._received:
-                    self._prepare_done = True
-                    self._apply_wake.notify()
-                    return
-                item = self._received.popleft()
-            stream = item.stream
-            if stream.failed is None and not stream.ended:
-                slots = stream.front.slots
-                address = slots.address(item.slot) if item.slot >= 0 else None
-                try:
-                    item.job = self._prepare(item.data, stream.unary, address)
-                except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
-                    item.error = exc
-            with self._lock:
-                self._prepared.append(item)
-                self._apply_wake.notify()
+    def _prepare_next(self) -> None:
+        """Check the next request received and start its copy (a refusal is kept, to be
+        answered in order), then hand it to the apply thread."""
+        item = self._received.popleft()
+        stream = item.stream
+        if stream.failed is None and not stream.ended:
+            slots = stream.front.slots
+            address = slots.address(item.slot) if item.slot >= 0 else None
+            try:
+                item.job = self._prepare(item.data, stream.unary, address)
+            except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
+                item.error = exc
+        with self._lock:
+            self._prepared.append(item)
+            self._apply_wake.notify()
 
     def _apply_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._prepared and not self._prepare_done:
+                while not self._prepared and not self._intake_done:
                     self._apply_wake.wait()
                 if not self._prepared:
                     return
                 item = self._prepared.popleft()
-                self._prepare_wake.notify()   # room for the next prepared request
+                room, self._waiting_room = self._waiting_room, False
+            if room:   # the intake waits for this room
+                self._wake()
             code, payload = self._run(item)
             with self._lock:   # before the answer: an END it prompts finds the stream idle
                 item.stream.outstanding -= 1
@@ -570,7 +615,7 @@ class RelayLearner:
             with front.send_lock:
                 front.sock.sendall(frame + payload)   # one system call
         except OSError:
-            pass   # the front is gone; the reader sees it too
+            pass   # the front is gone; the intake sees it too
 
     def close(self) -> None:
         with self._lock:
@@ -580,7 +625,7 @@ class RelayLearner:
                 front.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for thread in threads:   # the readers end; then the others drain and end
+        for thread in threads:   # the intake sees the first front close, drains and ends
             thread.join(5)
-        for front in fronts:
-            front.sock.close()
+        for sock in [front.sock for front in fronts] + [self._wake_out, self._wake_in]:
+            sock.close()

@@ -13,6 +13,7 @@ import queue
 import socket
 import threading
 import time
+import types
 import urllib.request
 from dataclasses import replace
 
@@ -256,6 +257,49 @@ def test_relay_answers_on_after_a_job_fails_to_close():
     finally:
         front.close()
         learner.close()
+
+
+def test_relay_reads_frames_however_the_socket_splits_them():
+    """The learner end reads a front's bytes as they come: OPEN, a request in the slot pool
+    and one inline, sent one byte at a time, and then all in one write, get their answers
+    in order."""
+    from duelq.server.relay import _FRAME, _REPLY, END, INLINE, OPEN, REQ
+
+    learner_end, front_end = socket.socketpair()
+    slots = SlotPool(2, 64)
+    slots.write(0, b"in the pool")
+    learner = RelayLearner(
+        learner_end, slots,
+        lambda data, unary, address: types.SimpleNamespace(data=bytes(data), close=lambda: None),
+        lambda job, call: job.data.upper(),
+        lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+        open_stream=lambda: None, close_stream=lambda: None)
+    learner.start()
+    rfile = front_end.makefile("rb")
+
+    def replies(n: int) -> list[tuple[int, bytes]]:
+        got = []
+        for _ in range(n):
+            sid, slot, code, size = _REPLY.unpack(rfile.read(_REPLY.size))
+            got.append((slot, rfile.read(size)))
+        return got
+    try:
+        for sid, split in ((1, True), (2, False)):
+            frames = (_FRAME.pack(OPEN, sid, 0, 0, 0.0)
+                      + _FRAME.pack(REQ, sid, 0, len(b"in the pool"), 0.0)
+                      + _FRAME.pack(REQ, sid, INLINE - 1, len(b"sent inline"), 0.0)
+                      + b"sent inline")
+            if split:
+                for i in range(len(frames)):
+                    front_end.sendall(frames[i:i + 1])
+                    time.sleep(0.001)
+            else:
+                front_end.sendall(frames)
+            assert replies(2) == [(0, b"IN THE POOL"), (INLINE - 1, b"SENT INLINE")]
+            front_end.sendall(_FRAME.pack(END, sid, 0, 0, 0.0))
+    finally:
+        learner.close()
+        front_end.close()
 
 
 def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
