@@ -4,8 +4,8 @@
         [--streams 2] [--window 8] [--batch 1024] [--duration 5]
 
 This process plays a ``--front-process`` server's learner process: the service on
-``--backend`` behind a RelayLearner (a reader thread per front, the prepare and apply
-threads), each front's slot pool page-locked on cuda.  Each of ``--fronts`` child processes
+``--backend`` behind a RelayLearner (its intake thread, which reads every front, and its
+apply thread), each front's slot pool page-locked on cuda.  Each of ``--fronts`` child processes
 plays a front with the real RelayFront: ``--streams`` TrainStreams that keep ``--window``
 requests in flight, every request with a key of its own (B = ``--batch`` float32).  With
 no gRPC and no actors, what is left is the relay and the learner's own work, under the
@@ -65,7 +65,9 @@ def _front(args: argparse.Namespace) -> None:
             stream.submit(request(s, seq))
         sending = True
         for code, payload in stream.replies():
-            counts[s] += code.name == "OK"
+            if code.name != "OK":   # the learner end refused or went away: stop
+                break
+            counts[s] += 1
             if sending and time.time() < end:
                 seq += 1
                 stream.submit(request(s, seq))
@@ -73,14 +75,15 @@ def _front(args: argparse.Namespace) -> None:
                 stream.done_sending()
                 sending = False
         stream.close()
-    time.sleep(max(0.0, args.start_at - time.time()))
+    late = time.time() - args.start_at   # > 0: this front started after the measured window
+    time.sleep(max(0.0, -late))
     threads = [threading.Thread(target=run, args=(s,)) for s in range(args.streams)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     front.close()
-    print(json.dumps({"answers": sum(counts)}))
+    print(json.dumps({"answers": sum(counts), "late_s": max(0.0, late)}))
 
 
 def _varint(n: int) -> bytes:
@@ -105,54 +108,63 @@ def _learner(args: argparse.Namespace) -> dict:
 
     config = LearnerConfig()
     server = serve_for_paths(config, args.backend)
-    service = server.service
-    learner = service.learner
-    size = 2 * len(encode_batch_wire(make_batch(np.random.default_rng(0), args.batch,
-                                                config.hidden_dim, config.n_actions,
-                                                "float32"), actor_id="relay-00-00", seq=1))
-    pools = [SlotPool(SLOTS, size) for _ in range(args.fronts)]
-    ends = [socket.socketpair() for _ in range(args.fronts)]
-    for pool in pools:
-        learner.backend.register_host(pool.bytes)
-
-    def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
-        return refusal(exc, "TrainStream", "relay")
-    # The relay's first front, whose end is the relay's, is this process's own: the child
-    # fronts are all "other" fronts, so one that finishes first ends only its streams.
-    first, first_end = socket.socketpair()
-    relay = RelayLearner(first, SlotPool(1, 4096), service.relay_prepare,
-                         lambda job, call: service.apply_train(job, call).SerializeToString(),
-                         refuse, open_stream=service.open_stream,
-                         close_stream=service.close_stream)
-    relay.start()
-    for (mine, _), pool in zip(ends, pools):
-        relay.attach(mine, pool)
-    start_at = time.time() + 3.0   # the fronts encode their batches meanwhile
-    children = [subprocess.Popen(
-        [sys.executable, __file__, "--front-child", str(i), "--sock-fd", str(theirs.fileno()),
-         "--pool-fd", str(pool.fd), "--slot-size", str(size), "--start-at", str(start_at),
-         "--streams", str(args.streams), "--window", str(args.window),
-         "--batch", str(args.batch), "--duration", str(args.duration)],
-        pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True)
-        for i, ((_, theirs), pool) in enumerate(zip(ends, pools))]
-    for _, theirs in ends:
-        theirs.close()
+    relay, children, first_end = None, [], None
     try:
+        service = server.service
+        learner = service.learner
+        size = 2 * len(encode_batch_wire(make_batch(np.random.default_rng(0), args.batch,
+                                                    config.hidden_dim, config.n_actions,
+                                                    "float32"),
+                                         actor_id="relay-00-00", seq=1))
+        pools = [SlotPool(SLOTS, size) for _ in range(args.fronts)]
+        ends = [socket.socketpair() for _ in range(args.fronts)]
+        for pool in pools:
+            learner.backend.register_host(pool.bytes)
+
+        def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
+            return refusal(exc, "TrainStream", "relay")
+        # The relay's first front, whose end is the relay's, is this process's own: the
+        # child fronts are all "other" fronts, so one that finishes first ends only its
+        # streams.
+        first, first_end = socket.socketpair()
+        relay = RelayLearner(first, SlotPool(1, 4096), service.relay_prepare,
+                             lambda job, call: service.apply_train(job, call).SerializeToString(),
+                             refuse, open_stream=service.open_stream,
+                             close_stream=service.close_stream)
+        relay.start()
+        for (mine, _), pool in zip(ends, pools):
+            relay.attach(mine, pool)
+        start_at = time.time() + 3.0   # the fronts encode their batches meanwhile
+        for i, ((_, theirs), pool) in enumerate(zip(ends, pools)):
+            children.append(subprocess.Popen(
+                [sys.executable, __file__, "--front-child", str(i), "--sock-fd",
+                 str(theirs.fileno()), "--pool-fd", str(pool.fd), "--slot-size", str(size),
+                 "--start-at", str(start_at), "--streams", str(args.streams), "--window",
+                 str(args.window), "--batch", str(args.batch), "--duration",
+                 str(args.duration)],
+                pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True))
+            theirs.close()
         time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
         steps, cpu, wall = learner.step_count, time.process_time(), time.perf_counter()
         time.sleep(args.duration)
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        answers = sum(json.loads(child.communicate(timeout=120)[0])["answers"]
-                      for child in children)
+        outputs = [child.communicate(timeout=120)[0] for child in children]
     finally:
         for child in children:
             child.kill()
-        relay.close()
-        first_end.close()
+        if relay is not None:
+            relay.close()
+        if first_end is not None:
+            first_end.close()
         server.stop(0)
     if any(child.returncode for child in children):
         raise SystemExit(f"a front failed: exit codes {[c.returncode for c in children]}")
+    reports = [json.loads(out) for out in outputs]
+    if max(r["late_s"] for r in reports) > WARMUP_S:
+        raise SystemExit("a front started after the measured window began; its figures "
+                         "would be low: rerun on a less loaded machine")
+    answers = sum(r["answers"] for r in reports)
     return {"steps_per_s": steps / wall, "cpu_us_per_step": 1e6 * cpu / max(steps, 1),
             "answers": answers}
 

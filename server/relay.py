@@ -378,6 +378,7 @@ class RelayLearner:
         self._apply_wake = threading.Condition(self._lock)   # prepared, or the intake ended
         self._waiting_room = False    # the intake waits for the apply thread to take one
         self._intake_done = False     # the intake thread has stopped
+        self._closing = False         # the first front has gone: drain, then stop (intake's)
         # A byte on this pair wakes the intake's select: room, a front attached, close.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
@@ -408,37 +409,67 @@ class RelayLearner:
     def _intake(self) -> None:
         """Read the fronts' frames and prepare their requests in arrival order, at most
         AHEAD waiting for the apply thread; ends once the first front's connection has
-        closed and every request received is prepared."""
+        closed and every request received is prepared.  Should it fail, the relay ends as
+        when the first front goes: every stream ends and each request left is answered."""
         selector = selectors.DefaultSelector()
         selector.register(self._wake_in, selectors.EVENT_READ)
-        closing = False
         try:
-            while True:
-                with self._lock:
-                    joining, self._joining = self._joining, []
-                    room = len(self._prepared) < AHEAD
-                    self._waiting_room = bool(self._received) and not room
-                for front in joining:
-                    selector.register(front.sock, selectors.EVENT_READ, front)
-                timeout = None   # wait for a frame (or a wake)
-                if self._received and (room or closing):
-                    self._prepare_next()
-                    timeout = 0  # look for frames (likely there), then on to the next request
-                elif closing:
-                    return
-                for key, _ in selector.select(timeout):
-                    front = key.data
-                    if front is None:
-                        self._wake_in.recv(4096)
-                    elif not self._read(front):
-                        selector.unregister(front.sock)
-                        self._front_closed(front)
-                        closing = closing or front.index == 0
+            self._take(selector)
+        except Exception:  # noqa: BLE001 — logged; the relay ends and answers what it holds
+            log.exception("the relay's intake failed: ending every stream")
+            self._front_closed(self._fronts[0])
         finally:
             selector.close()
-            with self._lock:
+            with self._lock:   # left unprepared: their streams have ended (CANCELLED)
+                self._prepared.extend(self._received)
+                self._received.clear()
                 self._intake_done = True
                 self._apply_wake.notify()
+            self.closed.set()   # already, unless the intake failed
+
+    def _take(self, selector: selectors.BaseSelector) -> None:
+        """:meth:`_intake`'s loop.  A request, once prepared, goes to the apply thread only
+        after the frames that came meanwhile are read, so an END sent during its
+        preparation still stops it."""
+        while True:
+            with self._lock:
+                joining, self._joining = self._joining, []
+                room = len(self._prepared) < AHEAD
+                self._waiting_room = bool(self._received) and not room
+            for front in joining:
+                try:
+                    selector.register(front.sock, selectors.EVENT_READ, front)
+                except (OSError, ValueError):   # closed before it was read
+                    self._close_front(selector, front, registered=False)
+            ready = None
+            if self._received and (room or self._closing):
+                ready = self._prepare_next()
+            elif self._closing:
+                return
+            # With a request just prepared only look (frames are likely there), else wait
+            # for a frame or a wake.
+            for key, _ in selector.select(0 if ready is not None else None):
+                if key.data is None:
+                    self._wake_in.recv(4096)
+                elif not self._read(key.data):
+                    self._close_front(selector, key.data)
+            if ready is not None:
+                with self._lock:
+                    self._prepared.append(ready)
+                    self._apply_wake.notify()
+
+    def _close_front(self, selector: selectors.BaseSelector, front: _Front, *,
+                     registered: bool = True) -> None:
+        """Stop reading ``front``, whose connection closed; after the first front, stop
+        reading every front (the relay only drains what it has)."""
+        if registered:
+            selector.unregister(front.sock)
+        self._front_closed(front)
+        if front.index == 0:
+            self._closing = True
+            for key in list(selector.get_map().values()):
+                if key.data is not None:
+                    selector.unregister(key.fileobj)
 
     def _read(self, front: _Front) -> bool:
         """Take what ``front`` sent and act on its complete frames; False once its
@@ -471,6 +502,8 @@ class RelayLearner:
                 elif op == REFUSED:
                     method, _, code = payload.decode().rpartition(" ")
                     self._refused(method, code)
+                else:
+                    log.warning("relay frame of unknown kind %d (stream %d) ignored", op, sid)
             except Exception:  # noqa: BLE001 — one bad frame must not end the relay
                 log.exception("relay frame %d of stream %d failed", op, sid)
         del unread[:at]
@@ -537,9 +570,9 @@ class RelayLearner:
         if stream.admitted:
             self._close_stream()
 
-    def _prepare_next(self) -> None:
-        """Check the next request received and start its copy (a refusal is kept, to be
-        answered in order), then hand it to the apply thread."""
+    def _prepare_next(self) -> _Item:
+        """The next request received, checked and its copy started (a refusal is kept, to
+        be answered in order)."""
         item = self._received.popleft()
         stream = item.stream
         if stream.failed is None and not stream.ended:
@@ -549,9 +582,7 @@ class RelayLearner:
                 item.job = self._prepare(item.data, stream.unary, address)
             except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
                 item.error = exc
-        with self._lock:
-            self._prepared.append(item)
-            self._apply_wake.notify()
+        return item
 
     def _apply_loop(self) -> None:
         while True:

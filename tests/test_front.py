@@ -302,6 +302,106 @@ def test_relay_reads_frames_however_the_socket_splits_them():
         front_end.close()
 
 
+def _named_jobs_relay(prepare_hook, applied: list, **kwargs):
+    """A started RelayLearner and its RelayFront whose jobs are the requests' bytes:
+    ``prepare_hook(name)`` runs in each prepare, ``applied`` collects the steps."""
+    def prepare(data, unary, address):
+        name = bytes(data).decode()
+        prepare_hook(name)
+        return types.SimpleNamespace(name=name, close=lambda: None)
+
+    def apply(job, call):
+        applied.append(job.name)
+        return job.name.encode()
+    learner_end, front_end = socket.socketpair()
+    slots = SlotPool(4, 64)
+    learner = RelayLearner(learner_end, slots, prepare, apply,
+                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: None, **kwargs)
+    learner.start()
+    return learner, RelayFront(front_end, slots)
+
+
+def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
+    """A request whose stream ends while the intake prepares it is not applied: its END is
+    read before the request goes to the apply thread."""
+    preparing, applied = threading.Event(), []
+
+    class Depth:   # requests received and not yet answered
+        count = 0
+
+        def inc(self):
+            Depth.count += 1
+
+        def dec(self):
+            Depth.count -= 1
+
+    def hook(name):
+        if name == "slow":
+            preparing.set()
+            time.sleep(0.2)
+    learner, front = _named_jobs_relay(hook, applied, depth=Depth())
+    try:
+        stream = front.open(unary=False, deadline=None)
+        assert stream.submit(b"first") and stream.submit(b"slow")
+        assert preparing.wait(5)
+        stream.close()   # END, while "slow" is being prepared
+        for _ in range(100):
+            if Depth.count == 0:
+                break
+            time.sleep(0.02)
+        assert Depth.count == 0 and applied == ["first"]
+    finally:
+        front.close()
+        learner.close()
+
+
+def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
+    applied: list = []
+    learner, front = _named_jobs_relay(lambda name: None, applied)
+    try:
+        gone_end, gone = socket.socketpair()
+        gone.close()
+        gone_end.close()
+        learner.attach(gone_end, SlotPool(1, 64))   # cannot even be watched
+        stream = front.open(unary=True, deadline=None)
+        assert stream.submit(b"still served")
+        stream.done_sending()
+        assert [payload for _, payload in stream.replies()] == [b"still served"]
+        stream.close()
+        assert not learner.closed.is_set()
+    finally:
+        front.close()
+        learner.close()
+
+
+def test_relay_whose_intake_fails_ends_and_answers_what_it_received(caplog):
+    """Should the intake thread fail, the relay ends as when its first front goes: every
+    stream ends, each request it holds is answered, and ``closed`` is set."""
+    applied: list = []
+    learner, front = _named_jobs_relay(lambda name: None, applied)
+    reads = learner._read
+
+    def failing_read(one):   # after the first step, fails once it has read a frame
+        more = reads(one)
+        if applied:
+            raise RuntimeError("the intake failed (simulated)")
+        return more
+    learner._read = failing_read
+    try:
+        stream = front.open(unary=False, deadline=None)
+        assert stream.submit(b"first")
+        answers = stream.replies()
+        assert next(answers) == (grpc.StatusCode.OK, b"first")
+        assert stream.submit(b"second")   # received by the failing intake, never prepared
+        code, _ = next(answers)
+        assert code == grpc.StatusCode.CANCELLED and learner.closed.wait(5)
+        assert "the relay's intake failed" in caplog.text and applied == ["first"]
+    finally:
+        front.close()
+        learner.close()
+
+
 def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
     """With a slow step, at most AHEAD + 1 jobs are alive (prepared, and one stepping), so
     each finds one of CudaBackend's AHEAD + 1 upload slots and none is packed at its step
