@@ -379,6 +379,7 @@ class RelayLearner:
         self._waiting_room = False    # the intake waits for the apply thread to take one
         self._intake_done = False     # the intake thread has stopped
         self._closing = False         # the first front has gone: drain, then stop (intake's)
+        self._ready: _Item | None = None   # prepared, not yet handed over (intake's)
         # A byte on this pair wakes the intake's select: room, a front attached, close.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
@@ -420,7 +421,10 @@ class RelayLearner:
             self._front_closed(self._fronts[0])
         finally:
             selector.close()
-            with self._lock:   # left unprepared: their streams have ended (CANCELLED)
+            with self._lock:   # in arrival order; their streams have ended (CANCELLED)
+                if self._ready is not None:
+                    self._prepared.append(self._ready)
+                    self._ready = None
                 self._prepared.extend(self._received)
                 self._received.clear()
                 self._intake_done = True
@@ -428,9 +432,9 @@ class RelayLearner:
             self.closed.set()   # already, unless the intake failed
 
     def _take(self, selector: selectors.BaseSelector) -> None:
-        """:meth:`_intake`'s loop.  A request, once prepared, goes to the apply thread only
-        after the frames that came meanwhile are read, so an END sent during its
-        preparation still stops it."""
+        """:meth:`_intake`'s loop.  A request, once prepared (``_ready``), goes to the
+        apply thread only after the frames that came meanwhile are read, so an END sent
+        during its preparation still stops it."""
         while True:
             with self._lock:
                 joining, self._joining = self._joining, []
@@ -438,24 +442,28 @@ class RelayLearner:
                 self._waiting_room = bool(self._received) and not room
             for front in joining:
                 try:
+                    if self._closing:   # the relay only drains what it has
+                        raise ValueError("the relay is closing")
                     selector.register(front.sock, selectors.EVENT_READ, front)
-                except (OSError, ValueError):   # closed before it was read
+                except (OSError, ValueError):   # closed before it was read, or too late
                     self._close_front(selector, front, registered=False)
-            ready = None
             if self._received and (room or self._closing):
-                ready = self._prepare_next()
+                self._ready = self._prepare_next()
             elif self._closing:
                 return
             # With a request just prepared only look (frames are likely there), else wait
             # for a frame or a wake.
-            for key, _ in selector.select(0 if ready is not None else None):
+            for key, _ in selector.select(0 if self._ready is not None else None):
                 if key.data is None:
                     self._wake_in.recv(4096)
+                elif self._closing:   # unregistered earlier in this pass
+                    continue
                 elif not self._read(key.data):
                     self._close_front(selector, key.data)
-            if ready is not None:
+            if self._ready is not None:
                 with self._lock:
-                    self._prepared.append(ready)
+                    self._prepared.append(self._ready)
+                    self._ready = None
                     self._apply_wake.notify()
 
     def _close_front(self, selector: selectors.BaseSelector, front: _Front, *,

@@ -375,6 +375,40 @@ def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
         learner.close()
 
 
+def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
+    """close() shuts every front's socket at once, so one select can report them all,
+    the first front first: the relay ends without an error and finishes every stream."""
+    counts = {"open": 0, "close": 0}
+
+    def count(name):
+        def bump():
+            counts[name] += 1
+        return bump
+    for _ in range(5):
+        ends = [socket.socketpair() for _ in range(4)]
+        slots = [SlotPool(2, 64) for _ in ends]
+        learner = RelayLearner(ends[0][0], slots[0], lambda *a: None, lambda *a: b"",
+                               lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                               open_stream=count("open"), close_stream=count("close"))
+        learner.start()
+        fronts = [RelayFront(ends[0][1], slots[0])]
+        for (mine, theirs), pool in list(zip(ends, slots))[1:]:
+            learner.attach(mine, pool)
+            fronts.append(RelayFront(theirs, pool))
+        for front in fronts:
+            front.open(unary=False, deadline=None)
+        for _ in range(100):   # every OPEN read
+            if counts["open"] == len(fronts):
+                break
+            time.sleep(0.01)
+        learner.close()
+        assert learner.closed.is_set() and counts["open"] == counts["close"] == len(fronts)
+        counts.update(open=0, close=0)
+        for front in fronts:
+            front.close()
+    assert "intake failed" not in caplog.text
+
+
 def test_relay_whose_intake_fails_ends_and_answers_what_it_received(caplog):
     """Should the intake thread fail, the relay ends as when its first front goes: every
     stream ends, each request it holds is answered, and ``closed`` is set."""
