@@ -380,7 +380,7 @@ class RelayLearner:
         self._intake_done = False     # the intake thread has stopped
         self._closing = False         # the first front has gone: drain, then stop (intake's)
         self._ready: _Item | None = None   # prepared, not yet handed over (intake's)
-        # A byte on this pair wakes the intake's select: room, a front attached, close.
+        # A byte on this pair wakes the intake's select: room for a request, a front attached.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
         self.closed = threading.Event()
