@@ -21,7 +21,7 @@ from ..batch import BFLOAT16, Batch
 from ..config import LearnerConfig
 from ..learner import Learner
 from ..reference import ReferenceBackend
-from ..server import LearnerServer, ServerOptions
+from ..server import LearnerServer, ServerOptions, start_server
 from ..server import server_args as duelq_server_args
 from ..state import LearnerState
 from .base import ACTOR_TIMEOUT_S, BenchError, cpu_seconds
@@ -99,17 +99,12 @@ class UncheckedNullBackend(NullBackend):
 def serve_for_paths(config: LearnerConfig, backend: str) -> LearnerServer:
     """A started server (gRPC on an unused port) whose service the path benchmarks drive
     directly, on ``backend``: cuda, reference, or null (:class:`UncheckedNullBackend`)."""
+    if backend != "null":
+        return start_server(config, ServerOptions(port=0), backend=backend)
+    learner = Learner(config, backend=UncheckedNullBackend(config, LearnerState.initial(config)))
     server = LearnerServer(ServerOptions(port=0))
     server.start()
-    try:
-        if backend == "null":
-            server.attach(Learner(config, backend=UncheckedNullBackend(
-                config, LearnerState.initial(config))))
-        else:
-            server.serve_learner(config, backend=backend)
-    except BaseException:
-        server.stop(0)
-        raise
+    server.attach(learner)
     return server
 
 
