@@ -1,7 +1,8 @@
 # duelq server image:  docker build -t duelq . && docker run --gpus all -p 50051:50051 duelq
 #
 # A CUDA runtime image is not enough for CuPy on CUDA 12.2+: NVRTC needs the cudart
-# headers to compile kernels/*.cu at start-up, so the cudart dev package is added.
+# headers to compile kernels/*.cu at start-up, so the cudart dev package is added; and gcc
+# builds server/native.c (a step's host calls in C) at the first start.
 ARG BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
@@ -10,7 +11,7 @@ ARG CUDA_PKG=12-6
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      python3 python3-venv "cuda-cudart-dev-${CUDA_PKG}" \
+      python3 python3-venv "cuda-cudart-dev-${CUDA_PKG}" gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 ENV VIRTUAL_ENV=/opt/duelq \

@@ -1,7 +1,7 @@
 """Host time of the learner process's relay path per request: one thread, no gRPC.
 
     python3 benchmarks/learner_path.py [--backend cuda] [--batch 1024] [--requests 1000]
-                                       [--repeats 5] [--profile]
+                                       [--repeats 5] [--host-calls native|python] [--profile]
 
 Builds a server's service on ``--backend`` (``null``: steps with no arithmetic, values
 left unchecked on the host as on cuda) and, for each request, does what the front and
@@ -37,40 +37,20 @@ WARM = 300       # requests before the timing
 BATCHES = 256    # distinct batches the requests cycle through
 
 
-class TimedStream:
-    """A CuPy stream that adds up the time its ``synchronize`` calls wait: a step's wait
-    for the device, which is not host work."""
-
-    def __init__(self, stream):
-        self.stream, self.waited = stream, 0.0
-
-    def synchronize(self) -> None:
-        start = time.perf_counter()
-        self.stream.synchronize()
-        self.waited += time.perf_counter() - start
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-    def __enter__(self):
-        return self.stream.__enter__()
-
-    def __exit__(self, *exc):
-        return self.stream.__exit__(*exc)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "reference", "null"))
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=1000, help="per block")
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks")
+    parser.add_argument("--host-calls", default="auto", choices=("auto", "native", "python"),
+                        help="cuda: a step's driver calls through server/native.c or Python")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if args.requests < 1 or args.repeats < 1:
         parser.error("--requests and --repeats must be ≥ 1")
     config = LearnerConfig()
-    server = serve_for_paths(config, args.backend)
+    server = serve_for_paths(config, args.backend, args.host_calls)
     service, backend = server.service, server.learner.backend
     rng = np.random.default_rng(0)
     n = args.requests
@@ -86,9 +66,6 @@ def main() -> None:
     requests = encode(WARM)
     slots = SlotPool(SLOTS, 2 * len(requests[0]))   # room for the key's seq to grow
     backend.register_host(slots.bytes)
-    if args.backend == "cuda":
-        backend.stream = TimedStream(backend.stream)
-    stream = getattr(backend, "stream", None)
 
     def copy(i: int) -> None:
         slots.write(i % SLOTS, requests[i])
@@ -112,9 +89,9 @@ def main() -> None:
         for _ in range(args.repeats):
             requests = []          # the last block's, freed before the next is encoded
             requests = encode(n)
-            waited = getattr(stream, "waited", 0.0)
+            waited = getattr(backend, "sync_seconds", 0.0)
             whole = timed(relay)
-            wait = 1e6 * (getattr(stream, "waited", 0.0) - waited) / n
+            wait = 1e6 * (getattr(backend, "sync_seconds", 0.0) - waited) / n
             slot_copy = timed(copy)
             for name, value in (("whole", whole[0]), ("whole cpu", whole[1]),
                                 ("copy", slot_copy[0]), ("copy cpu", slot_copy[1]),
@@ -134,8 +111,9 @@ def main() -> None:
         values = rows[name]
         return (f"{statistics.median(values):.0f} [{min(values):.0f}–{max(values):.0f}]"
                 if len(values) > 1 else f"{values[0]:.0f}")
-    print(f"\n{args.backend}, B = {args.batch} float32, one thread, {args.repeats} blocks of "
-          f"{n} requests: median [range]")
+    calls = f" (host calls: {backend.host_path})" if args.backend == "cuda" else ""
+    print(f"\n{args.backend}{calls}, B = {args.batch} float32, one thread, {args.repeats} "
+          f"blocks of {n} requests: median [range]")
     print("| part | wall µs/request | CPU µs/request |")
     print("|---|---|---|")
     print(f"| slot copy + prepare + apply + serialise | {cell('whole')} | {cell('whole cpu')} |")

@@ -1,7 +1,7 @@
 """The learner process's relay at full speed: several front processes, no gRPC.
 
     python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
-        [--streams 2] [--window 8] [--batch 1024] [--duration 5]
+        [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …]
 
 This process plays a ``--front-process`` server's learner process: the service on
 ``--backend`` behind a RelayLearner (its intake thread, which reads every front, and its
@@ -107,7 +107,7 @@ def _learner(args: argparse.Namespace) -> dict:
     from duelq.server.service import refusal
 
     config = LearnerConfig()
-    server = serve_for_paths(config, args.backend)
+    server = serve_for_paths(config, args.backend, args.host_calls)
     relay, children, first_end = None, [], None
     try:
         service = server.service
@@ -166,7 +166,7 @@ def _learner(args: argparse.Namespace) -> dict:
                          "would be low: rerun on a less loaded machine")
     answers = sum(r["answers"] for r in reports)
     return {"steps_per_s": steps / wall, "cpu_us_per_step": 1e6 * cpu / max(steps, 1),
-            "answers": answers}
+            "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
 
 
 def main() -> None:
@@ -177,6 +177,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8, help="requests in flight per stream")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds measured")
+    parser.add_argument("--host-calls", default="auto", choices=("auto", "native", "python"),
+                        help="cuda: a step's driver calls through server/native.c or Python")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -190,8 +192,9 @@ def main() -> None:
     result = _learner(args)
     if not result["answers"]:
         raise SystemExit("no request was answered")
-    print(f"\n{args.backend}, B = {args.batch} float32, {args.fronts} fronts × {args.streams} "
-          f"streams × window {args.window}, {args.duration:g} s")
+    calls = f" (host calls: {result['host_calls']})" if result["host_calls"] else ""
+    print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
+          f"{args.streams} streams × window {args.window}, {args.duration:g} s")
     print("| steps/s | learner process CPU µs/step (relay threads and backend) |")
     print("|---|---|")
     print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} |")

@@ -13,17 +13,21 @@ block order.  Blocks hand each other partials as words tagged with the launch's 
 whether every input value was valid (DESIGN §6), so the host checks only dtypes and shapes.
 :meth:`CudaBackend.upload` packs a batch into one of a few pinned slots and starts its
 copy on a second stream before the step's turn; the step then waits for that copy on the
-device instead of making it.  ``learner_step`` is compiled per feature dtype and at two
-row tiles: the smaller serves batches that need at most one block per SM, the larger the rest.
+device instead of making it.  Where server/native.c builds, an upload's driver calls and a
+step's (wait, launch, copy back, sync, the block totals) are one C call each.
+``learner_step`` is compiled per feature dtype and at two row tiles: the smaller serves
+batches that need at most one block per SM, the larger the rest.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import math
 import queue
 import re
+import time
 from dataclasses import dataclass
 
 import cupy as cp
@@ -34,7 +38,10 @@ from ..kernels import source
 from .backend import Backend, StepOutputs, Upload
 from .batch import BFLOAT16, Batch
 from .config import LearnerConfig
+from .native import Native, NativeUnavailable, StepCall, UploadCall, load as load_native
 from .state import LearnerState, Params
+
+log = logging.getLogger(__name__)
 
 THREADS = 256             # threads per block of learner_step and q_values
 STATIC_SMEM_SLACK = 4096  # bytes of static shared memory besides the per-action counts
@@ -182,6 +189,11 @@ class _Slot:
         self.copied = cp.cuda.Event(disable_timing=True)
         self.unpack = UnpackArgs()   # the unpack kernel's argument, filled in per request
         self.unpack_params = (ctypes.c_void_p * 1)(ctypes.addressof(self.unpack))
+        # The C host path's upload call (server/native.c): the stream, kernel and event are
+        # the backend's, filled in by it.
+        self.call = UploadCall(threads=THREADS,
+                               params=ctypes.addressof(self.unpack_params))
+        self.call_address = ctypes.addressof(self.call)
         self.layout: tuple = ()      # (offsets, sizes) the argument was filled in for
         self.words = 0               # 32-bit words of the unpacked batch
 
@@ -209,7 +221,9 @@ class CudaBackend(Backend):
     """Learner state resident on the current CUDA device; kernels compiled for the config.
 
     ``row_tile`` pins learner_step to one row tile (for benchmarks); by default the
-    kernel's own choice and twice it are compiled.
+    kernel's own choice and twice it are compiled.  ``native``: make a step's host calls
+    through server/native.c (True: or fail), from Python (False), or the former where it
+    builds (None).
     """
 
     name = "cuda"
@@ -217,7 +231,7 @@ class CudaBackend(Backend):
     feature_dtypes = (np.dtype(np.float16), BFLOAT16)
 
     def __init__(self, config: LearnerConfig, state: LearnerState, *,
-                 row_tile: int | None = None):
+                 row_tile: int | None = None, native: bool | None = None):
         super().__init__(config, state)
         N, S = config.n_actions, config.isv_size
         rt, dev = cp.cuda.runtime, cp.cuda.Device().id
@@ -245,9 +259,13 @@ class CudaBackend(Backend):
         self._inputs, self._outputs = _Staging(), _Staging()
         self._upload_stream = cp.cuda.Stream(non_blocking=True)
         self._registered: list[tuple[int, int]] = []   # page-locked host spans [lo, hi)
+        self._native = self._host_path(native)
         self._free_uploads: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for _ in range(UPLOAD_SLOTS):
-            self._free_uploads.put(_Slot())
+            slot = _Slot()
+            slot.call.unpack = self._unpack_fn.kernel.ptr
+            slot.call.stream, slot.call.copied = self._upload_stream.ptr, slot.copied.ptr
+            self._free_uploads.put(slot)
         self._shapes: dict[int, tuple[int, int, int]] = {}   # batch size → _shape's answer
         self._cur = 0
         self._pending = False
@@ -258,7 +276,29 @@ class CudaBackend(Backend):
         # The kernel's parameter array for each: launches are serialised and copy their
         # arguments as they are enqueued, so launch() fills these in place.
         self._arg_params = [(ctypes.c_void_p * 1)(ctypes.addressof(a)) for a in self._args]
+        self._arg_param_addresses = [ctypes.addressof(p) for p in self._arg_params]
+        self.sync_seconds = 0.0
+        """Seconds the steps' syncs have waited for the device (not host work: benchmarks)."""
+        self._step_call = StepCall(threads=THREADS, stream=self.stream.ptr)
+        self._step_call_address = ctypes.addressof(self._step_call)
         self.load(state)
+
+    @property
+    def host_path(self) -> str:
+        """"native" (a step's host calls in server/native.c) or "python"."""
+        return "python" if self._native is None else "native"
+
+    @staticmethod
+    def _host_path(want: bool | None) -> Native | None:
+        if want is False:
+            return None
+        try:
+            return load_native()
+        except NativeUnavailable as exc:
+            if want:
+                raise
+            log.warning("the step's host calls run from Python: %s", exc)
+            return None
 
     def _compile(self, row_tile: int | None, max_smem: int) -> None:
         """Compile the kernels: learner_step at the kernel's default row tile (halved until
@@ -411,16 +451,14 @@ class CudaBackend(Backend):
                         for lo, hi in self._registered))
 
     def _unpack(self, batch: Batch, slot: _Slot) -> None:
-        """Copy ``batch``'s span to the device as it is and unpack it into the slot's staging
-        buffer in :meth:`_Staging.pack`'s layout (kernels/unpack_batch.cu)."""
+        """Copy ``batch``'s span to the device as it is, unpack it into the slot's staging
+        buffer in :meth:`_Staging.pack`'s layout (kernels/unpack_batch.cu) and record the
+        slot's event after both."""
         span = batch.span
         args = slot.unpack
         if span.nbytes + 4 > 4 * slot.message.size:    # 4 readable bytes past the message
             slot.message = cp.empty(_grown(span.nbytes // 4 + 2), np.uint32)
-            args.src = slot.message.data.ptr
-        rt = cp.cuda.runtime
-        rt.memcpyAsync(args.src, span.address, span.nbytes, rt.memcpyHostToDevice,
-                       self._upload_stream.ptr)
+            args.src = slot.call.message = slot.message.data.ptr
         if slot.layout != (span.offsets, span.sizes):   # else the arguments are as they were
             n = len(span.offsets)
             starts = list(itertools.accumulate((size // 4 for size in span.sizes), initial=0))
@@ -431,8 +469,17 @@ class CudaBackend(Backend):
         slot.staging.reserve_device(slot.words)
         args.out = slot.staging.device_ptr
         blocks = max(1, min(-(-slot.words // (4 * THREADS)), 4 * self.max_blocks))
+        if self._native is not None:   # the same three calls in C
+            slot.call.blocks = blocks
+            status = self._native.upload(slot.call_address, span.address, span.nbytes)
+            if status:
+                driver.check_status(status)
+            return
+        rt, stream = cp.cuda.runtime, self._upload_stream
+        rt.memcpyAsync(args.src, span.address, span.nbytes, rt.memcpyHostToDevice, stream.ptr)
         driver.launchKernel(self._unpack_fn.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
-                            self._upload_stream.ptr, ctypes.addressof(slot.unpack_params), 0)
+                            stream.ptr, ctypes.addressof(slot.unpack_params), 0)
+        slot.copied.record(stream)
 
     def upload(self, batch: Batch) -> Upload | None:
         B, H = batch.size, self.config.hidden_dim
@@ -448,7 +495,7 @@ class CudaBackend(Backend):
             else:
                 slot.copied.synchronize()  # its previous copy out of the host buffer is done
                 slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
-            slot.copied.record(self._upload_stream)
+                slot.copied.record(self._upload_stream)
         except BaseException:
             self._free_uploads.put(slot)
             raise
@@ -475,8 +522,16 @@ class CudaBackend(Backend):
     def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None,
                kind: int = 0) -> None:
         """Enqueue the step kernel for features of ``kind`` on staged ``inputs`` (default:
-        the step's own buffer); no copies, no sync.  Not thread-safe (the learner's lock
-        serialises steps): it fills in the current state copy's arguments in place."""
+        the step's own buffer); no copies, no sync."""
+        kernel, G = self._fill_args(batch_size, has_weights, inputs, kind)
+        driver.launchCooperativeKernel(kernel.fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
+                                       kernel.smem, self.stream.ptr,
+                                       self._arg_param_addresses[self._cur])
+
+    def _fill_args(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None,
+                   kind: int) -> tuple[StepKernel, int]:
+        """Fill in the next step's launch arguments (the current state copy's, in place: not
+        thread-safe; the learner's lock serialises steps); returns (the kernel, G)."""
         c = self.config
         t = self._step + 1
         G, R, tile = self._shape(batch_size)
@@ -488,10 +543,7 @@ class CudaBackend(Backend):
         args.update_target = t % c.target_update_period == 0
         args.step_size = c.lr / (1 - c.beta1 ** t)   # rounded to float32 by the field
         args.sqrt_bc2 = math.sqrt(1 - c.beta2 ** t)
-        kernel = self._steps[kind][tile]
-        params = self._arg_params[self._cur]
-        driver.launchCooperativeKernel(kernel.fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
-                                       kernel.smem, self.stream.ptr, ctypes.addressof(params))
+        return self._steps[kind][tile], G
 
     def _next_epoch(self) -> int:
         """The next launch's epoch (it also uses epoch − 1 and epoch + 1).
@@ -521,29 +573,22 @@ class CudaBackend(Backend):
         words = 2 * B + 1 + 5 * G
         self._outputs.reserve(words)
         slot = upload.slot if isinstance(upload, _Uploaded) else None
-        if slot is not None:
-            self.stream.wait_event(slot.copied)
-            inputs = slot.staging.device
-        else:
+        if slot is None:
             self.stage(batch)
-            inputs = None
         try:
-            self.launch(B, batch.weights is not None, inputs, FEATURE_KINDS[batch.h_t.dtype])
-            self._outputs.download(words, self.stream)
+            args = (B, batch.weights is not None, slot.staging.device if slot else None,
+                    FEATURE_KINDS[batch.h_t.dtype])
+            if self._native is not None:
+                totals = self._native_step(args, slot, G, words)
+            else:
+                totals = self._python_step(args, slot, G, words)
         finally:
-            self.stream.synchronize()  # nothing reads the upload slot once it is given back
-            if upload is not None:
+            if upload is not None:   # the stream is synchronized: nothing reads the slot
                 upload.stepped = slot is not None
                 upload.close()
+        finite, norm2, loss_sum, q_sum, valid = totals
         out = self._outputs.host
         td = out[:2 * B].copy()                  # td_errors, priorities
-        # Per-block partials [5, G]: finite flag, slice norm, loss, Q sums, inputs valid.
-        # Norms², losses and Q sums are added in block order in float64 (cumsum: one pass,
-        # the same sums as Python's left to right).  The flags are 1.0 or 0.0, so they are
-        # all 1.0 exactly when they add up to G.
-        parts = out[2 * B + 1:words].reshape(5, G).astype(np.float64)
-        parts[1] *= parts[1]
-        finite, norm2, loss_sum, q_sum, valid = parts.cumsum(axis=1)[:, -1].tolist()
         loss, q_mean = loss_sum / B, q_sum / B
         self._pending = True
         return StepOutputs(
@@ -552,6 +597,44 @@ class CudaBackend(Backend):
             finite=finite == G and math.isfinite(loss) and math.isfinite(q_mean),
             entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
             inputs_valid=valid == G)
+
+    def _python_step(self, args: tuple, slot: _Slot | None, G: int, words: int
+                     ) -> list[float]:
+        """Launch the step on ``args`` (after ``slot``'s upload), download its ``words`` of
+        outputs and synchronize; returns the block totals: the per-block partials [5, G]
+        (finite flag, slice norm, loss, Q sum, inputs valid) added in block order in
+        float64, the norms squared first (cumsum: one pass, the same sums as Python's left
+        to right).  The flags are 1.0 or 0.0, so they are all 1.0 exactly when they add up
+        to G."""
+        try:
+            if slot is not None:
+                self.stream.wait_event(slot.copied)
+            self.launch(*args)
+            self._outputs.download(words, self.stream)
+        finally:
+            start = time.perf_counter()
+            self.stream.synchronize()
+            self.sync_seconds += time.perf_counter() - start
+        parts = self._outputs.host[2 * args[0] + 1:words].reshape(5, G).astype(np.float64)
+        parts[1] *= parts[1]
+        return parts.cumsum(axis=1)[:, -1].tolist()
+
+    def _native_step(self, args: tuple, slot: _Slot | None, G: int, words: int
+                     ) -> list[float]:
+        """:meth:`_python_step` in one call to server/native.c (the same totals, added in C
+        in the same order); the stream is synchronized even when a call fails."""
+        kernel, _ = self._fill_args(*args)
+        call, B = self._step_call, args[0]
+        call.fn, call.blocks, call.smem = kernel.fn.kernel.ptr, G, kernel.smem
+        call.params = self._arg_param_addresses[self._cur]
+        call.wait = slot.copied.ptr if slot is not None else None
+        call.out, call.out_device = self._outputs.host_ptr, self._outputs.device_ptr
+        call.out_bytes, call.parts = 4 * words, self._outputs.host_ptr + 4 * (2 * B + 1)
+        status = self._native.step(self._step_call_address)
+        self.sync_seconds += call.synced_s
+        if status:
+            driver.check_status(status)
+        return call.totals[:]
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

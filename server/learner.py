@@ -88,16 +88,19 @@ def cuda_usable() -> tuple[bool, str]:
     return True, props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
 
 
-def make_backend(kind: str, config: LearnerConfig, state: LearnerState) -> Backend:
-    """Build the backend ``kind`` (auto|cuda|reference); auto says which it picked."""
+def make_backend(kind: str, config: LearnerConfig, state: LearnerState, *,
+                 native: bool | None = None) -> Backend:
+    """Build the backend ``kind`` (auto|cuda|reference); auto says which it picked.
+    ``native``: cuda's host calls through server/native.c or not (None: where it builds)."""
     if kind not in BACKENDS:
         raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {kind!r}")
     if kind in ("auto", "cuda"):
         ok, why = cuda_usable()
         if ok:
             from .cuda import CudaBackend
-            backend: Backend = CudaBackend(config, state)
-            log.info("backend %s: cuda on %s", kind, backend.device)
+            backend: Backend = CudaBackend(config, state, native=native)
+            log.info("backend %s: cuda on %s, host calls from %s", kind, backend.device,
+                     "C (server/native.c)" if backend.host_path == "native" else "Python")
             return backend
         if kind == "cuda":
             raise RuntimeError(f"--backend cuda: no usable GPU ({why})")

@@ -40,15 +40,20 @@ from .checkpoint import CheckpointError, CheckpointWriter, read_latest
 from .config import LearnerConfig
 from .errors import InvalidArgument
 from .idempotency import ReplayGuard
-from .learner import Learner
+from .learner import Learner, make_backend
 from .metrics import Metrics
 from .service import REPLAY_KINDS, LearnerService, Limits
+from .state import LearnerState
 from .wire import train_request_deserializer, undecodable
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Learner"].full_name  # "duelq.v1.Learner"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+#: ServerOptions.host_calls → CudaBackend's ``native``.
+HOST_CALLS = {"auto": None, "native": True, "python": False}
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class ServerOptions:
     relay_slot_mb: float = 8.0
     """With ``front_process``: MiB of shared memory per slot; larger requests are relayed
     through the socket instead (slower, same result)."""
+    host_calls: str = "auto"
+    """On cuda, where a step's driver calls are made: "native" (server/native.c, built with
+    the host's C compiler on first use), "python", or "auto" (native where it builds)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, problem: str) -> None:
@@ -138,6 +146,7 @@ class ServerOptions:
         need(self.front_processes == 1 or self.front_process, "front_processes",
              "more than 1 needs front_process")
         need(self.relay_slots >= 1, "relay_slots", "must be ≥ 1")
+        need(self.host_calls in HOST_CALLS, "host_calls", f"must be one of {tuple(HOST_CALLS)}")
         need(1 / 16 <= self.relay_slot_mb <= 1024, "relay_slot_mb", "must be in [1/16, 1024]")
 
     def bearer_token(self) -> str:
@@ -416,8 +425,10 @@ class LearnerServer:
                     log.warning("%s holds no idempotency records: a retried request applied "
                                 "before it would be applied again", found.path)
                 log.info("resuming from %s: step %d", found.path, state.step)
-        learner = Learner(config, backend=backend, state=state,
-                          max_batch_size=self.options.max_batch_size)
+        state = state if state is not None else LearnerState.initial(config)
+        learner = Learner(config, backend=make_backend(
+            backend, config, state, native=HOST_CALLS[self.options.host_calls]),
+            max_batch_size=self.options.max_batch_size)
         self.attach(learner, replay=replay)
         return learner
 

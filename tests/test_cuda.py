@@ -29,9 +29,28 @@ SLOT = "action_entropy_ema"
 GROUPS = ("params", "target", "adam_m", "adam_v")
 
 
-def cuda_backend(config: LearnerConfig, state: LearnerState | None = None):
+def native_or_why() -> str:
+    """"" where server/native.c builds and loads here, else why not."""
+    from duelq.server.native import NativeUnavailable, load
+    try:
+        load()
+    except NativeUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+NATIVE_WHY = native_or_why() if USABLE else ""
+#: The step's host calls from C (server/native.c), compared with the same from Python.
+HOST_PATHS = [pytest.param(True, id="native", marks=pytest.mark.skipif(
+    bool(NATIVE_WHY), reason=f"server/native.c unusable: {NATIVE_WHY}")),
+    pytest.param(False, id="python")]
+
+
+def cuda_backend(config: LearnerConfig, state: LearnerState | None = None,
+                 native: bool | None = None):
     from duelq.server.cuda import CudaBackend
-    return CudaBackend(config, state if state is not None else LearnerState.initial(config))
+    return CudaBackend(config, state if state is not None else LearnerState.initial(config),
+                       native=native)
 
 
 def poison(backend, batch_size: int = 0) -> None:
@@ -566,17 +585,19 @@ def test_the_relay_keeps_no_more_jobs_than_there_are_upload_slots():
     assert relay.AHEAD + 1 == cuda.UPLOAD_SLOTS
 
 
-def test_uploaded_batches_step_exactly_like_staged_ones():
+@pytest.mark.parametrize("native", HOST_PATHS)
+def test_uploaded_batches_step_exactly_like_staged_ones(native):
     """Batches sent ahead with prepare() (more than there are upload slots, one never
-    stepped) give bit for bit what the same batches give staged at their step."""
+    stepped) give bit for bit what the same batches give staged at their step, on either
+    host path against the Python one."""
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     rng = np.random.default_rng(12)
     start = random_state(config, rng, 0)
     batches = [random_batch(rng, B, config, start, w)
                for B, w in ((1024, True), (31, False), (4096, True), (1024, True), (7, False))]
-    plain = Learner(config, backend=cuda_backend(config, start))
+    plain = Learner(config, backend=cuda_backend(config, start, native=False))
     want = [plain.step(b) for b in batches]
-    ahead = Learner(config, backend=cuda_backend(config, start))
+    ahead = Learner(config, backend=cuda_backend(config, start, native=native))
     prepared = [ahead.prepare(b) for b in batches]
     assert sum(p.upload is not None for p in prepared) == 3  # the slots, then staged at step
     with ahead.prepare(batches[0]):  # sent ahead and never stepped: its slot comes back
@@ -589,8 +610,9 @@ def test_uploaded_batches_step_exactly_like_staged_ones():
     assert sum(ahead.prepare(b).upload is not None for b in batches[:3]) == 3  # all came back
 
 
+@pytest.mark.parametrize("native", HOST_PATHS)
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike(wire):
+def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike(wire, native):
     """Requests read in place from a page-locked pool (the front process's slots, at odd
     offsets) are copied to the device as they are and unpacked there: the unpacked inputs
     are bit for bit what the host packs (kernels/unpack_batch.cu against _Staging.pack),
@@ -606,8 +628,8 @@ def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike
     for H in (128, 127):
         config = LearnerConfig(hidden_dim=H, n_actions=11, step_entropy_slot=SLOT)
         start = random_state(config, rng, 0)
-        plain = Learner(config, backend=cuda_backend(config, start))
-        direct = Learner(config, backend=cuda_backend(config, start))
+        plain = Learner(config, backend=cuda_backend(config, start, native=False))
+        direct = Learner(config, backend=cuda_backend(config, start, native=native))
         direct.backend.register_host(pool)
         try:
             for B, weights, offset, region in ((1024, True, 3, pool), (31, False, 1 << 20, pool),
@@ -640,8 +662,9 @@ def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike
         assert not direct.backend._registered
 
 
+@pytest.mark.parametrize("native", HOST_PATHS)
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire):
+def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
     """The front process's path on cuda: requests in a page-locked pool, planned once their
     layout is known (server/plans.py), unpacked on the device with each upload slot's
     arguments kept between requests of one layout.  Layouts alternate so that every upload
@@ -653,8 +676,8 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire):
     rng = np.random.default_rng(22)
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     start = random_state(config, rng, 0)
-    plain = Learner(config, backend=cuda_backend(config, start))
-    relayed = Learner(config, backend=cuda_backend(config, start))
+    plain = Learner(config, backend=cuda_backend(config, start, native=False))
+    relayed = Learner(config, backend=cuda_backend(config, start, native=native))
     service = LearnerService(Limits(1 << 26, 1 << 16, 4))
     service.attach(relayed)
     pool = np.zeros(8 << 20, np.uint8)
@@ -691,6 +714,19 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire):
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
     finally:
         relayed.backend.unregister_host(pool)
+
+
+def test_without_a_compiler_the_host_calls_run_from_python(monkeypatch, tmp_path, caplog):
+    """native=None falls back to Python with a warning that says why; native=True refuses."""
+    from duelq.server.native import NativeUnavailable
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("DUELQ_CACHE_DIR", str(tmp_path))
+    config = LearnerConfig(hidden_dim=32, n_actions=4)
+    with caplog.at_level("WARNING", logger="duelq.server.cuda"):
+        assert cuda_backend(config).host_path == "python"
+    assert "false failed on native.c" in caplog.text
+    with pytest.raises(NativeUnavailable, match="false failed on native.c"):
+        cuda_backend(config, native=True)
 
 
 def test_learner_auto_picks_cuda():

@@ -96,11 +96,14 @@ class UncheckedNullBackend(NullBackend):
     feature_dtypes = (np.dtype(np.float16), BFLOAT16)
 
 
-def serve_for_paths(config: LearnerConfig, backend: str) -> LearnerServer:
+def serve_for_paths(config: LearnerConfig, backend: str, host_calls: str = "auto"
+                    ) -> LearnerServer:
     """A started server (gRPC on an unused port) whose service the path benchmarks drive
-    directly, on ``backend``: cuda, reference, or null (:class:`UncheckedNullBackend`)."""
+    directly, on ``backend``: cuda (its ``host_calls``: ServerOptions), reference, or null
+    (:class:`UncheckedNullBackend`)."""
     if backend != "null":
-        return start_server(config, ServerOptions(port=0), backend=backend)
+        return start_server(config, ServerOptions(port=0, host_calls=host_calls),
+                            backend=backend)
     learner = Learner(config, backend=UncheckedNullBackend(config, LearnerState.initial(config)))
     server = LearnerServer(ServerOptions(port=0))
     server.start()

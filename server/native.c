@@ -1,0 +1,116 @@
+/* native.c: the CUDA backend's per-step host calls in C (server/native.py builds and loads it).
+ *
+ * From Python, a step's upload took three driver calls (copy, unpack launch, event) and its
+ * step five (wait, launch, copy back, sync) plus NumPy to add the block partials: each call
+ * a trip through CuPy's wrappers and a release of the GIL.  Here each is one ctypes call.
+ * The driver's entry points come from the libcuda that CuPy has loaded; no CUDA header is
+ * needed to build this file, only a C compiler.
+ */
+#include <dlfcn.h>
+#include <stddef.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef void *CUstream, *CUevent, *CUfunction;
+typedef unsigned long long CUdeviceptr;
+
+static CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t, CUstream);
+static CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t, CUstream);
+static CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                          unsigned, unsigned, CUstream, void **, void **);
+static CUresult (*launch_cooperative)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                                      unsigned, unsigned, unsigned, CUstream, void **);
+static CUresult (*event_record)(CUevent, CUstream);
+static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
+static CUresult (*stream_synchronize)(CUstream);
+
+/* Resolve the driver's entry points; 0 on success, else the 1-based index of the one
+ * missing (-1: no libcuda.so.1). */
+int duelq_init(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (cuda == NULL) return -1;
+    struct { void **fn; const char *name; } entries[] = {
+        {(void **)&memcpy_htod, "cuMemcpyHtoDAsync_v2"},
+        {(void **)&memcpy_dtoh, "cuMemcpyDtoHAsync_v2"},
+        {(void **)&launch, "cuLaunchKernel"},
+        {(void **)&launch_cooperative, "cuLaunchCooperativeKernel"},
+        {(void **)&event_record, "cuEventRecord"},
+        {(void **)&stream_wait_event, "cuStreamWaitEvent"},
+        {(void **)&stream_synchronize, "cuStreamSynchronize"},
+    };
+    for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
+        *entries[i].fn = dlsym(cuda, entries[i].name);
+        if (*entries[i].fn == NULL) return (int)i + 1;
+    }
+    return 0;
+}
+
+/* A request's bytes to the device and their unpack (kernels/unpack_batch.cu), on the
+ * upload stream; the event marks the end of both.  Filled in by Python per slot. */
+struct duelq_upload {
+    CUdeviceptr message;   /* the slot's device buffer for the request's bytes */
+    CUfunction unpack;
+    unsigned blocks, threads;
+    void **params;         /* the unpack kernel's parameter array */
+    CUstream stream;
+    CUevent copied;
+};
+
+int duelq_upload(const struct duelq_upload *u, const void *src, size_t nbytes) {
+    CUresult r = memcpy_htod(u->message, src, nbytes, u->stream);
+    if (r == 0) r = launch(u->unpack, u->blocks, 1, 1, u->threads, 1, 1, 0, u->stream,
+                           u->params, NULL);
+    if (r == 0) r = event_record(u->copied, u->stream);
+    return r;
+}
+
+/* parts [5][blocks] float32 → totals [5] float64: each row added in block order, row 1
+ * (the blocks' slice norms) squared first: the finite flags, ‖g‖², the loss sum, the Q
+ * sum, the inputs-valid flags (built with -ffp-contract=off: no fused multiply-adds). */
+void duelq_block_totals(const float *parts, int blocks, double *totals) {
+    for (int row = 0; row < 5; ++row) {
+        double sum = 0.0;
+        for (int g = 0; g < blocks; ++g) {
+            double v = parts[row * blocks + g];
+            sum += row == 1 ? v * v : v;
+        }
+        totals[row] = sum;
+    }
+}
+
+/* One learner step: wait for the upload's event (if any), the cooperative launch of
+ * learner_step, its outputs back to the pinned host buffer, the stream's sync, then the
+ * block totals.  The stream is synchronized even when an earlier call failed, so nothing
+ * still reads the upload's buffers when this returns. */
+struct duelq_step {
+    CUfunction fn;
+    unsigned blocks, threads, smem;
+    void **params;         /* learner_step's parameter array */
+    CUstream stream;
+    CUevent wait;          /* NULL: the inputs were staged on the stream itself */
+    void *out;             /* the pinned host outputs */
+    CUdeviceptr out_device;
+    size_t out_bytes;
+    const float *parts;    /* in out: the [5][blocks] partials */
+    double totals[5];
+    double synced_s;       /* seconds the sync waited for the device */
+};
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int duelq_step(struct duelq_step *s) {
+    CUresult r = s->wait != NULL ? stream_wait_event(s->stream, s->wait, 0) : 0;
+    if (r == 0) r = launch_cooperative(s->fn, s->blocks, 1, 1, s->threads, 1, 1, s->smem,
+                                       s->stream, s->params);
+    if (r == 0) r = memcpy_dtoh(s->out, s->out_device, s->out_bytes, s->stream);
+    double start = seconds();
+    CUresult synced = stream_synchronize(s->stream);
+    s->synced_s = seconds() - start;
+    if (r == 0) r = synced;
+    if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);
+    return r;
+}

@@ -1,0 +1,124 @@
+"""The CUDA backend's per-step host calls in C (server/native.c), through ctypes.
+
+The file is built with the host's C compiler on first use and cached by its hash (as CuPy
+caches the kernels it compiles), under ``$DUELQ_CACHE_DIR`` or ``~/.cache/duelq``.  It needs
+no CUDA header: it takes the driver's entry points from the libcuda already loaded.  Where
+it cannot be built or loaded, :func:`load` raises :class:`NativeUnavailable` saying why, and
+the backend makes the same calls from Python.
+
+Why C: a step from Python crossed CuPy's wrappers eight times and released the GIL each
+time; in the running server the learner process's two relay threads contend for that GIL.
+Here an upload is one call that keeps the GIL (a few µs of driver calls), and a step one
+call that releases it while it waits for the device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native.c")
+#: -ffp-contract=off: the block totals must add exactly as NumPy does (no fused multiply-add).
+FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
+
+
+class NativeUnavailable(RuntimeError):
+    """The C host path cannot be used here (no compiler, no libcuda...): the reason."""
+
+
+class UploadCall(ctypes.Structure):
+    """Mirror of ``struct duelq_upload`` in server/native.c."""
+
+    _fields_ = [("message", ctypes.c_ulonglong), ("unpack", ctypes.c_void_p),
+                ("blocks", ctypes.c_uint), ("threads", ctypes.c_uint),
+                ("params", ctypes.c_void_p), ("stream", ctypes.c_void_p),
+                ("copied", ctypes.c_void_p)]
+
+
+class StepCall(ctypes.Structure):
+    """Mirror of ``struct duelq_step`` in server/native.c."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("blocks", ctypes.c_uint), ("threads", ctypes.c_uint),
+                ("smem", ctypes.c_uint), ("params", ctypes.c_void_p),
+                ("stream", ctypes.c_void_p), ("wait", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("out_device", ctypes.c_ulonglong),
+                ("out_bytes", ctypes.c_size_t), ("parts", ctypes.c_void_p),
+                ("totals", ctypes.c_double * 5), ("synced_s", ctypes.c_double)]
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $DUELQ_CACHE_DIR, else $XDG_CACHE_HOME/duelq, else
+    ~/.cache/duelq."""
+    if os.environ.get("DUELQ_CACHE_DIR"):
+        return Path(os.environ["DUELQ_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duelq"
+
+
+def compiler() -> list[str]:
+    """The C compiler's command: $CC, else the one Python was built with, else ``cc``."""
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
+def build() -> Path:
+    """The shared library built from :data:`SOURCE` (compiled once per source, compiler and
+    flags; later calls find it in :func:`cache_dir`)."""
+    cc = compiler()
+    tag = hashlib.sha256(SOURCE.read_bytes() + repr((cc, FLAGS)).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"duelq-native-{tag}.so"
+    if lib.exists():
+        return lib
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            out = Path(tmp) / lib.name
+            done = subprocess.run([*cc, *FLAGS, "-o", str(out), str(SOURCE), "-ldl"],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise NativeUnavailable(f"{shlex.join(cc)} failed on {SOURCE.name}: "
+                                        f"{done.stderr.strip()[-500:]}")
+            out.replace(lib)   # atomic: a concurrent build leaves one whole file
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"cannot build {SOURCE.name} with {shlex.join(cc)}: "
+                                f"{exc}") from exc
+    return lib
+
+
+class Native:
+    """The built library's functions, typed; see server/native.c."""
+
+    def __init__(self, path: Path):
+        keeps_gil = ctypes.PyDLL(str(path))      # calls of a few µs: no GIL hand-over
+        releases_gil = ctypes.CDLL(str(path))    # the step waits for the device
+        self.upload = keeps_gil.duelq_upload
+        self.upload.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        self.block_totals = keeps_gil.duelq_block_totals
+        self.block_totals.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        self.block_totals.restype = None
+        self.step = releases_gil.duelq_step
+        self.step.argtypes = (ctypes.c_void_p,)
+        self._init = keeps_gil.duelq_init
+
+    def init_cuda(self) -> None:
+        """Resolve the CUDA driver's entry points (libcuda.so.1)."""
+        missing = self._init()
+        if missing:
+            raise NativeUnavailable("libcuda.so.1 cannot be loaded" if missing < 0 else
+                                    f"libcuda.so.1 lacks driver entry point #{missing}")
+
+
+def load(*, cuda: bool = True) -> Native:
+    """The C host path, built if needed; with ``cuda``, its driver entry points resolved.
+    Raises :class:`NativeUnavailable` with the reason where it cannot be used."""
+    try:
+        native = Native(build())
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot load the built library: {exc}") from exc
+    if cuda:
+        native.init_cuda()
+    return native

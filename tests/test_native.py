@@ -1,0 +1,100 @@
+"""server/native.c built and loaded without a GPU: the build, its cache, its failures, and
+the block totals against the NumPy sums they replace (bit for bit).  The driver calls
+themselves are tested on the GPU (tests/test_cuda.py, both host paths)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import numpy as np
+import pytest
+
+from duelq.server import native
+from duelq.server.native import NativeUnavailable
+
+pytestmark = pytest.mark.skipif(shutil.which(native.compiler()[0]) is None,
+                                reason=f"no C compiler ({native.compiler()[0]})")
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DUELQ_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def numpy_totals(parts: np.ndarray) -> list[float]:
+    """CudaBackend's Python path: rows added in block order in float64, row 1 squared."""
+    wide = parts.astype(np.float64)
+    wide[1] *= wide[1]
+    return wide.cumsum(axis=1)[:, -1].tolist()
+
+
+def c_totals(lib: native.Native, parts: np.ndarray) -> list[float]:
+    parts = np.ascontiguousarray(parts, np.float32)
+    totals = (ctypes.c_double * 5)()
+    lib.block_totals(parts.ctypes.data, parts.shape[1], ctypes.addressof(totals))
+    return totals[:]
+
+
+def test_block_totals_by_hand(cache):
+    lib = native.load(cuda=False)
+    parts = np.array([[1, 1], [3, 4], [0.5, 0.25], [1, 2], [1, 0]], np.float32)
+    assert c_totals(lib, parts) == [2.0, 25.0, 0.75, 3.0, 1.0]
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 7, 66, 132])
+def test_block_totals_match_numpy_bit_for_bit(cache, blocks):
+    """Random partials spanning many magnitudes, where the order and width of the adds
+    show in the last bits; flags of 1.0 and 0.0; inf and NaN pass through as in NumPy."""
+    lib = native.load(cuda=False)
+    rng = np.random.default_rng(blocks)
+    for _ in range(20):
+        parts = (rng.standard_normal((5, blocks)) * 10.0 ** rng.integers(-6, 7, (5, blocks))
+                 ).astype(np.float32)
+        parts[[0, 4]] = rng.random((2, blocks)) < 0.9
+        got, want = c_totals(lib, parts), numpy_totals(parts)
+        assert np.array(got).tobytes() == np.array(want).tobytes()
+    parts[2, blocks // 2], parts[3, 0] = np.inf, np.nan
+    got, want = np.array(c_totals(lib, parts)), np.array(numpy_totals(parts))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_build_is_cached_per_source_and_compiler(cache, monkeypatch):
+    first = native.build()
+    assert first.parent == cache and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp
+    monkeypatch.setenv("CC", f"{native.compiler()[0]} -g")
+    other = native.build()
+    assert other != first and other.exists()
+    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, other.name])
+
+
+def test_a_failing_compiler_is_reported(cache, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(NativeUnavailable, match="^false failed on native.c"):
+        native.load()
+    monkeypatch.setenv("CC", "no-such-compiler-duelq")
+    with pytest.raises(NativeUnavailable, match="cannot build native.c with "
+                                                "no-such-compiler-duelq"):
+        native.load()
+    assert list(cache.iterdir()) == []   # nothing half-built is left
+
+
+def test_an_unwritable_cache_is_reported(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("DUELQ_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(NativeUnavailable, match="cannot build native.c"):
+        native.load()
+
+
+def test_without_libcuda_init_says_so(cache):
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(NativeUnavailable, match="libcuda.so.1 cannot be loaded"):
+            native.load()
+    else:
+        native.load()   # a machine with a driver: every entry point resolves
