@@ -60,9 +60,9 @@ def test_learner_path_reports_median_and_range_per_part():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 blocks of 20 requests" in done.stdout
-    cells = re.findall(r"^\| (slot copy[^|]*|the learner's share) \| (\S+) \[(\S+)–(\S+)\] \|",
-                       done.stdout, re.MULTILINE)
-    assert len(cells) == 3, done.stdout
+    cells = re.findall(r"^\| (slot copy[^|]*|the whole less[^|]*|the learner's share[^|]*) "
+                       r"\| (\S+) \[(\S+)–(\S+)\] \|", done.stdout, re.MULTILINE)
+    assert len(cells) == 4, done.stdout
     for _, median, low, high in cells:
         assert float(low) <= float(median) <= float(high)
     bad = subprocess.run([sys.executable, str(script), "--repeats", "0"],
