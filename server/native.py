@@ -17,15 +17,19 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shlex
+import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native.c")
-#: -ffp-contract=off: the block totals must add exactly as NumPy does (no fused multiply-add).
-FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
+#: The block totals must add exactly as NumPy does: no fused multiply-add, no reassociation
+#: (these come after any flags in $CC, so they win).
+FLAGS = ("-O2", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off")
 
 
 class NativeUnavailable(RuntimeError):
@@ -61,17 +65,26 @@ def cache_dir() -> Path:
 
 
 def compiler() -> list[str]:
-    """The C compiler's command: $CC, else the one Python was built with, else ``cc``."""
-    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    """The C compiler's command: $CC, else ``cc`` where it is on PATH, else the one Python
+    was built with (often a build machine's path elsewhere)."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    if shutil.which("cc") is not None:
+        return ["cc"]
+    return shlex.split(sysconfig.get_config_var("CC") or "cc")
 
 
-def build() -> Path:
-    """The shared library built from :data:`SOURCE` (compiled once per source, compiler and
-    flags; later calls find it in :func:`cache_dir`)."""
-    cc = compiler()
-    tag = hashlib.sha256(SOURCE.read_bytes() + repr((cc, FLAGS)).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"duelq-native-{tag}.so"
-    if lib.exists():
+def build(*, again: bool = False) -> Path:
+    """The shared library built from :data:`SOURCE` (compiled once per source, compiler,
+    flags and machine; later calls find it in :func:`cache_dir`, unless ``again``)."""
+    try:
+        cc = compiler()
+        tag = hashlib.sha256(SOURCE.read_bytes() + repr(
+            (cc, FLAGS, platform.machine())).encode()).hexdigest()[:16]
+        lib = cache_dir() / f"duelq-native-{tag}.so"
+    except (OSError, RuntimeError, ValueError) as exc:   # no source, no home, a bad $CC
+        raise NativeUnavailable(f"cannot build {SOURCE.name}: {exc}") from exc
+    if lib.exists() and not again:
         return lib
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +106,8 @@ class Native:
     """The built library's functions, typed; see server/native.c."""
 
     def __init__(self, path: Path):
+        self.path = path
+        self._cuda_ready = False
         keeps_gil = ctypes.PyDLL(str(path))      # calls of a few µs: no GIL hand-over
         releases_gil = ctypes.CDLL(str(path))    # the step waits for the device
         self.upload = keeps_gil.duelq_upload
@@ -105,20 +120,38 @@ class Native:
         self._init = keeps_gil.duelq_init
 
     def init_cuda(self) -> None:
-        """Resolve the CUDA driver's entry points (libcuda.so.1)."""
-        missing = self._init()
-        if missing:
-            raise NativeUnavailable("libcuda.so.1 cannot be loaded" if missing < 0 else
-                                    f"libcuda.so.1 lacks driver entry point #{missing}")
+        """Resolve the CUDA driver's entry points (libcuda.so.1), once per library."""
+        with _lock:
+            if self._cuda_ready:
+                return
+            missing = self._init()
+            if missing:
+                raise NativeUnavailable("libcuda.so.1 cannot be loaded" if missing < 0 else
+                                        f"libcuda.so.1 lacks driver entry point #{missing}")
+            self._cuda_ready = True
+
+
+_lock = threading.Lock()
+_loaded: dict[Path, Native] = {}   # one Native per library file, shared by every backend
 
 
 def load(*, cuda: bool = True) -> Native:
     """The C host path, built if needed; with ``cuda``, its driver entry points resolved.
+    A cached library that does not load (a truncated file, say) is built again once.
     Raises :class:`NativeUnavailable` with the reason where it cannot be used."""
-    try:
-        native = Native(build())
-    except OSError as exc:
-        raise NativeUnavailable(f"cannot load the built library: {exc}") from exc
+    path = build()
+    with _lock:
+        native = _loaded.get(path)
+        if native is None:
+            try:
+                native = Native(path)
+            except OSError:
+                path = build(again=True)
+                try:
+                    native = Native(path)
+                except OSError as exc:
+                    raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
+            native = _loaded[path] = native
     if cuda:
         native.init_cuda()
     return native

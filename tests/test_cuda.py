@@ -716,6 +716,50 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
         relayed.backend.unregister_host(pool)
 
 
+@pytest.mark.parametrize("native", HOST_PATHS)
+@pytest.mark.parametrize("registered", [True, False], ids=["unpacked", "packed"])
+def test_a_step_waits_for_its_upload(native, registered):
+    """The upload stream held back by a spinning kernel (≈ 0.1 s) while a request is
+    prepared: its copy has not finished when its step is enqueued, so a step that did not
+    wait for it, or an upload that recorded no event, would read stale inputs.  The steps
+    stay bit-identical to a learner fed the decoded batches."""
+    import cupy as cp
+    from duelq.client import encode_batch
+    from duelq.server.service import decode_batch
+    from duelq.server.wire import parse_train_request
+    spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64(); while (clock64() - start < cycles) {} }""", "spin")
+    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
+    rng = np.random.default_rng(5)
+    start = random_state(config, rng, 0)
+    plain = Learner(config, backend=cuda_backend(config, start, native=False))
+    gated = Learner(config, backend=cuda_backend(config, start, native=native))
+    pool = np.zeros(8 << 20, np.uint8)
+    if registered:
+        gated.backend.register_host(pool)
+    try:
+        for i in range(4):   # one more than there are upload slots
+            data = encode_batch(random_batch(rng, 1024, config, start, True)
+                                ).SerializeToString()
+            want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
+            pool[3:3 + len(data)] = np.frombuffer(data, np.uint8)
+            in_place = decode_batch(parse_train_request(pool.data[3:3 + len(data)]),
+                                    keep_16bit=True, address=pool.ctypes.data + 3)
+            with gated.backend._upload_stream:
+                spin((1,), (1,), (np.int64(2 * 10**8),))
+            prepared = gated.prepare(in_place)
+            assert gated.backend._unpackable(prepared.batch) == registered
+            assert prepared.upload is not None and not prepared.upload.slot.copied.done
+            got = gated.step(prepared)
+            assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
+                                                              want.entropy), i
+            assert got.td_errors.tobytes() == want.td_errors.tobytes(), i
+        assert gated.snapshot().checksum() == plain.snapshot().checksum()
+    finally:
+        if registered:
+            gated.backend.unregister_host(pool)
+
+
 def test_without_a_compiler_the_host_calls_run_from_python(monkeypatch, tmp_path, caplog):
     """native=None falls back to Python with a warning that says why; native=True refuses."""
     from duelq.server.native import NativeUnavailable

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,6 +59,40 @@ def test_block_totals_match_numpy_bit_for_bit(cache, blocks):
     parts[2, blocks // 2], parts[3, 0] = np.inf, np.nan
     got, want = np.array(c_totals(lib, parts)), np.array(numpy_totals(parts))
     np.testing.assert_array_equal(got, want)
+
+
+def test_fast_math_in_cc_does_not_change_the_totals(cache, monkeypatch):
+    """FLAGS come after $CC's own flags and turn fast math (reassociation: vectorized,
+    reordered sums) back off, so the totals stay NumPy's to the bit."""
+    avx2 = "avx2" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() \
+        else False
+    monkeypatch.setenv("CC", f"{native.compiler()[0]} -O3 -ffast-math -fvect-cost-model=unlimited"
+                       + (" -mavx2" if avx2 else ""))
+    lib = native.load(cuda=False)
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        parts = (rng.standard_normal((5, 132)) * 10.0 ** rng.integers(-6, 7, (5, 132))
+                 ).astype(np.float32)
+        assert np.array(c_totals(lib, parts)).tobytes() == np.array(numpy_totals(parts)).tobytes()
+
+
+def test_a_damaged_cached_library_is_built_again(cache):
+    path = native.build()
+    path.write_bytes(b"\x7fELF truncated")
+    lib = native.load(cuda=False)
+    assert lib.path == path and path.stat().st_size > 1000
+    assert c_totals(lib, np.ones((5, 3), np.float32)) == [3.0] * 5
+
+
+def test_no_home_for_the_cache_is_reported(monkeypatch):
+    for name in ("DUELQ_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(native.Path, "home", staticmethod(no_home))
+    with pytest.raises(NativeUnavailable, match="home directory"):
+        native.load()
 
 
 def test_the_build_is_cached_per_source_and_compiler(cache, monkeypatch):
