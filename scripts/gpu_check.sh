@@ -27,7 +27,7 @@ fi
 if [ $# -eq 0 ]; then
     set -- $(grep -l 'mark\.gpu' tests/test_*.py)
 fi
-"$PY" -m pytest -m gpu -p no:cacheprovider "${NOCONFTEST[@]}" "$@" 2>&1 | tee "$LOGS/gpu_tests.log"
+"$PY" -m pytest -m gpu -rs -p no:cacheprovider "${NOCONFTEST[@]}" "$@" 2>&1 | tee "$LOGS/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/device_step.py 2>&1 | tee "$LOGS/device_step.log"
 BENCH_RC=${PIPESTATUS[0]}

@@ -105,6 +105,9 @@ def make_backend(kind: str, config: LearnerConfig, state: LearnerState, *,
         if kind == "cuda":
             raise RuntimeError(f"--backend cuda: no usable GPU ({why})")
         log.info("backend auto: reference (NumPy), because CUDA is not usable: %s", why)
+    if native:
+        log.warning("host calls native: only the cuda backend has them; the reference "
+                    "backend makes none")
     from .reference import ReferenceBackend
     return ReferenceBackend(config, state)
 

@@ -51,6 +51,7 @@ def test_flags_read_environment_variables_and_the_command_line_wins(monkeypatch)
     (["serve"], {"DUELQ_PORT": "http"}, "DUELQ_PORT='http'"),
     (["serve"], {"DUELQ_BACKEND": "gpu"}, "DUELQ_BACKEND='gpu': must be one of"),
     (["serve"], {"DUELQ_DOUBLE_DQN": "maybe"}, "DUELQ_DOUBLE_DQN"),
+    (["serve", "--host-calls", "fast"], {}, "--host-calls: must be one of ('auto', 'native'"),
     (["demo", "--actors", "0"], {}, "--actors: must be ≥ 1"),
     (["--log-level", "LOUD", "serve"], {}, "unknown level"),
 ])
