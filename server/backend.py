@@ -20,9 +20,12 @@ from .config import LearnerConfig
 from .state import LearnerState, Params
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepOutputs:
-    """What one proposed step reports (host values)."""
+    """What one proposed step reports (host values).
+
+    Read-only by convention, not frozen: one is built per request, and a frozen
+    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
 
     loss: float               # (1/B) Σ w·huber(δ)
     td_errors: np.ndarray     # [B] float32, δ = Q_θ(h_t)[a] − y, before the update

@@ -14,7 +14,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 
 
-@dataclass(frozen=True)
+@dataclass
 class HostSpan:
     """Where a batch's arrays lie: each is a view of the host bytes [address, address +
     nbytes) (a request read in place from the front process's slot pool), so a device
@@ -22,7 +22,10 @@ class HostSpan:
 
     ``service.decode_batch`` makes one only for arrays that view exactly their payload, and
     :func:`validate_batch` drops it when it converts any array, so a validated batch's span
-    holds its arrays in the dtypes the backend gets (int32 actions, float32 vectors)."""
+    holds its arrays in the dtypes the backend gets (int32 actions, float32 vectors).
+
+    Read-only by convention, not frozen: one is built per request, and a frozen
+    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
 
     address: int                # host address of the first byte
     nbytes: int                 # bytes from there that hold every array
@@ -31,13 +34,16 @@ class HostSpan:
     sizes: tuple[int, ...]      # their byte sizes (each array's nbytes)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Batch:
     """One learner step's inputs, numpy arrays (see DESIGN §2).
 
     ``weights`` may be None (all ones).  Features may be float16 or bfloat16
     (``ml_dtypes``); :func:`validate_batch` widens them to float32 unless the
     backend takes them as they are.
+
+    Read-only by convention, not frozen: one is built per request, and a frozen
+    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9).
     """
 
     h_t: np.ndarray        # [B, H] features of s_t

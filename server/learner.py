@@ -28,9 +28,12 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "cuda", "reference")
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepResult:
-    """What a committed step returns (DESIGN §2 step 9)."""
+    """What a committed step returns (DESIGN §2 step 9).
+
+    Read-only by convention, not frozen: one is built per request, and a frozen
+    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
 
     loss: float               # mean importance-weighted Huber loss
     td_errors: np.ndarray     # [B] float32, before the update
@@ -57,11 +60,14 @@ class ISVValue:
     observed: bool
 
 
-@dataclass(frozen=True)
+@dataclass
 class Prepared:
     """A validated batch, maybe already on its way to the device (:meth:`Learner.prepare`).
 
     A context manager: leaving it gives unused staging space back.
+
+    Read-only by convention, not frozen: one is built per request, and a frozen
+    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9).
     """
 
     batch: Batch

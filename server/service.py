@@ -210,10 +210,13 @@ def _response_template(rows: int) -> pb.TrainResponse:
     return pb.TrainResponse(td_errors=fields, priorities=fields)
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainJob:
     """A train request checked and on its way to the device, waiting for its step; a
-    context manager: closing it gives an unused upload back."""
+    context manager: closing it gives an unused upload back.
+
+    Read-only by convention, not frozen: one is built per request, and a frozen
+    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
 
     learner: Learner
     key: pb.RequestKey
