@@ -9,10 +9,10 @@ apply thread), each front's slot pool page-locked on cuda.  Each of ``--fronts``
 plays a front with the real RelayFront: ``--streams`` TrainStreams that keep ``--window``
 requests in flight, every request with a key of its own (B = ``--batch`` float32).  With
 no gRPC and no actors, what is left is the relay and the learner's own work, under the
-same threads and hand-overs as in the server.  The fronts build each request anew (a 1 MB
-``bytes`` at B = 1024) and fix glibc's malloc thresholds first (``tune_malloc``): with the
-defaults glibc gave each such buffer fresh pages, and one front carried ≈ 900 steps/s
-instead of ≈ 4000 (round 9); ``--default-malloc`` keeps the defaults.  Reports steps/s
+same threads and hand-overs as in the server.  The fronts build each request with one
+copy of its body (``b"".join``): until round 9 they chained ``+``, whose 1 MB temporaries
+made glibc return memory and fault it in again on every request, so one front carried
+≈ 1000 steps/s instead of ≈ 5000 and the fronts, not the learner, set the pace.  Reports steps/s
 and this process's CPU per step over ``--duration`` seconds after a 0.5 s warm-up, to set
 against benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
 arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
@@ -41,13 +41,10 @@ def _front(args: argparse.Namespace) -> None:
     answers it got as JSON."""
     from duelq.client.client import encode_batch_wire
     from duelq.server.bench.actors import make_batch
-    from duelq.server.bench.servers import tune_malloc
     from duelq.server.config import LearnerConfig
     from duelq.server.relay import RelayFront, SlotPool
     from duelq.v1 import learner_pb2 as pb
 
-    if not args.default_malloc:   # else each 1 MB request built here page-faults (see doc)
-        tune_malloc()
     config = LearnerConfig()
     rng = np.random.default_rng(args.index)
     bodies = [encode_batch_wire(make_batch(rng, args.batch, config.hidden_dim,
@@ -60,8 +57,8 @@ def _front(args: argparse.Namespace) -> None:
 
     def request(stream: int, seq: int) -> bytes:   # the key last, as the client encodes it
         key = pb.RequestKey(actor_id=f"relay-{args.index}-{stream}", seq=seq)
-        return (bodies[seq % BODIES] + b"\x42" + _varint(key.ByteSize())
-                + key.SerializeToString())
+        return b"".join((bodies[seq % BODIES], b"\x42", _varint(key.ByteSize()),
+                         key.SerializeToString()))   # one copy (see the module's doc)
 
     def run(s: int) -> None:
         stream = front.open(unary=False, deadline=None)
@@ -147,7 +144,7 @@ def _learner(args: argparse.Namespace) -> dict:
                  str(theirs.fileno()), "--pool-fd", str(pool.fd), "--slot-size", str(size),
                  "--start-at", str(start_at), "--streams", str(args.streams), "--window",
                  str(args.window), "--batch", str(args.batch), "--duration",
-                 str(args.duration)] + (["--default-malloc"] if args.default_malloc else []),
+                 str(args.duration)],
                 pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True))
             theirs.close()
         time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
@@ -185,8 +182,6 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds measured")
     parser.add_argument("--host-calls", default="auto", choices=("auto", "native", "python"),
                         help="cuda: a step's driver calls through server/native.c or Python")
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="leave glibc's malloc thresholds as they are in the fronts")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
