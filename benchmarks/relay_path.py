@@ -40,6 +40,7 @@ def _front(args: argparse.Namespace) -> None:
     """A front process: --streams streams over the relay until the run's end; prints the
     answers it got as JSON."""
     from duelq.client.client import encode_batch_wire
+    from duelq.client.tensors import varint
     from duelq.server.bench.actors import make_batch
     from duelq.server.config import LearnerConfig
     from duelq.server.relay import RelayFront, SlotPool
@@ -57,7 +58,7 @@ def _front(args: argparse.Namespace) -> None:
 
     def request(stream: int, seq: int) -> bytes:   # the key last, as the client encodes it
         key = pb.RequestKey(actor_id=f"relay-{args.index}-{stream}", seq=seq)
-        return b"".join((bodies[seq % BODIES], b"\x42", _varint(key.ByteSize()),
+        return b"".join((bodies[seq % BODIES], b"\x42", varint(key.ByteSize()),
                          key.SerializeToString()))   # one copy (see the module's doc)
 
     def run(s: int) -> None:
@@ -87,15 +88,6 @@ def _front(args: argparse.Namespace) -> None:
         thread.join()
     front.close()
     print(json.dumps({"answers": sum(counts), "late_s": max(0.0, late)}))
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _learner(args: argparse.Namespace) -> dict:
