@@ -4,19 +4,27 @@
                                        [--repeats 5] [--host-calls native|python] [--profile]
 
 Builds a server's service on ``--backend`` (``null``: steps with no arithmetic, values
-left unchecked on the host as on cuda) and, for each request, does what the front and
-learner processes of ``--front-process`` do with it: copy the request's bytes into a slot
-of a (page-locked on cuda) slot pool, then ``relay_prepare`` (parse, decode, checks, the
-copy towards the device), ``apply_train`` (idempotency key, step, response) and serialise
-the response: the learner's share, timed around those three.  (Until round 9 the share was
-the whole less a loop of slot copies alone, which also counted as the learner's anything
-that slowed the copies in the whole (the device reading the pool, caches); that figure is
-still printed.)  Requests carry distinct keys, as from an actor (their batches cycle
-through 256 distinct ones).  Reports wall and CPU µs per request with and without the slot copy
-and, on cuda, the step's wait for the device (each step is waited for before the next
-request is read, so nothing overlaps it): the median and the range over ``--repeats``
-blocks of ``--requests`` each, since one host's figures drift by tens of per cent from
-block to block; --profile adds cProfile's top entries over one more block.
+left unchecked on the host as on cuda) and, for each request, does what the learner
+process of ``--front-process`` does with it once a front has copied its bytes into a slot
+of a (page-locked on cuda) slot pool: ``relay_prepare`` (parse, decode, checks, the copy
+towards the device), ``apply_train`` (idempotency key, step, response) and serialise the
+response: the learner's share, timed around those three.  Requests carry distinct keys, as
+from an actor (their batches cycle through 256 distinct ones).
+
+Each repeat times two blocks of ``--requests``, which differ only in where the front's
+copies are made:
+* ahead: every request of the block is copied into a slot of its own before the block
+  (a pool of ``--requests`` slots, ≈ 1 GB at B = 1024), so the learner's thread runs
+  with only its own work in its caches, as in the server, where the fronts copy on their
+  own cores;
+* inline: each request is copied into one of 8 slots just before its share, on the same
+  thread (this script's only mode until round 10): the copy's megabyte then evicts the
+  learner's working set, which on the H200 host made the share 2.5–3× as long.
+Reports wall µs per request (the median and the range over ``--repeats``; one host's
+figures drift by tens of per cent from block to block) and, on cuda, the step's wait for
+the device (each step is waited for before the next request is read, so nothing overlaps
+it) and the host work, the share less that wait; --profile adds cProfile's top entries
+over one more block (copies ahead).
 """
 
 from __future__ import annotations
@@ -35,9 +43,10 @@ from duelq.server.config import LearnerConfig
 from duelq.server.bench.servers import serve_for_paths
 from duelq.server.relay import SlotPool
 
-SLOTS = 8
-WARM = 300       # requests before the timing
-BATCHES = 256    # distinct batches the requests cycle through
+INLINE_SLOTS = 8   # slots the inline copies cycle through
+WARM = 300         # requests before the timing
+BATCHES = 256      # distinct batches the requests cycle through
+KEY_GROWTH = 16    # bytes a request may outgrow the first one by (its seq's varint)
 
 
 def main() -> None:
@@ -45,7 +54,7 @@ def main() -> None:
     parser.add_argument("--backend", default="cuda", choices=("cuda", "reference", "null"))
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=1000, help="per block")
-    parser.add_argument("--repeats", type=int, default=5, help="timed blocks")
+    parser.add_argument("--repeats", type=int, default=5, help="timed blocks of each kind")
     parser.add_argument("--host-calls", default="auto", choices=("auto", "native", "python"),
                         help="cuda: a step's driver calls through server/native.c or Python")
     parser.add_argument("--profile", action="store_true")
@@ -66,51 +75,55 @@ def main() -> None:
         first, sent = sent, sent + count
         return [encode_batch_wire(batches[i % len(batches)], actor_id="bench-0-1234-5678",
                                   seq=i + 1) for i in range(first, sent)]
-    requests = encode(WARM)
-    slots = SlotPool(SLOTS, 2 * len(requests[0]))   # room for the key's seq to grow
-    backend.register_host(slots.bytes)
+    warm = encode(WARM)
+    pool = SlotPool(max(n, INLINE_SLOTS), len(warm[0]) + KEY_GROWTH)
+    backend.register_host(pool.bytes)
 
-    def copy(i: int) -> None:
-        slots.write(i % SLOTS, requests[i])
-
-    inside = [0.0]   # seconds in the learner's share, timed around it
-
-    def relay(i: int) -> bytes:
-        data, slot = requests[i], i % SLOTS
-        slots.write(slot, data)
+    def share(slot: int, data: bytes) -> float:
+        """Seconds of the learner's share of the request in ``slot``."""
         start = time.perf_counter()
-        with service.relay_prepare(slots.slot(slot, len(data)), False,
-                                   slots.address(slot)) as job:
-            reply = service.apply_train(job, None).SerializeToString()
-        inside[0] += time.perf_counter() - start
-        return reply
+        with service.relay_prepare(pool.slot(slot, len(data)), False,
+                                   pool.address(slot)) as job:
+            service.apply_train(job, None).SerializeToString()
+        return time.perf_counter() - start
 
-    def timed(fn) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        for i in range(n):
-            fn(i)
-        return (1e6 * (time.perf_counter() - wall) / n, 1e6 * (time.process_time() - cpu) / n)
+    def block(ahead: bool) -> tuple[float, float]:
+        """A block of n new requests: (share, wait) in µs per request."""
+        requests = encode(n)
+        if ahead:
+            for i, data in enumerate(requests):
+                pool.write(i, data)
+        waited, inside = getattr(backend, "sync_seconds", 0.0), 0.0
+        for i, data in enumerate(requests):
+            slot = i if ahead else i % INLINE_SLOTS
+            if not ahead:
+                pool.write(slot, data)
+            inside += share(slot, data)
+        wait = getattr(backend, "sync_seconds", 0.0) - waited
+        return 1e6 * inside / n, 1e6 * wait / n
+
+    def copies_alone() -> float:
+        """µs per request of the front's slot copies alone."""
+        requests = encode(n)
+        start = time.perf_counter()
+        for i, data in enumerate(requests):
+            pool.write(i % INLINE_SLOTS, data)
+        return 1e6 * (time.perf_counter() - start) / n
     rows: dict[str, list[float]] = {}   # figure → one value per block
     try:
-        for i in range(WARM):
-            relay(i)
+        for i, data in enumerate(warm):
+            pool.write(i % INLINE_SLOTS, data)
+            share(i % INLINE_SLOTS, data)
+        del warm
         for _ in range(args.repeats):
-            requests = []          # the last block's, freed before the next is encoded
-            requests = encode(n)
-            waited, inside[0] = getattr(backend, "sync_seconds", 0.0), 0.0
-            whole = timed(relay)
-            wait = 1e6 * (getattr(backend, "sync_seconds", 0.0) - waited) / n
-            share = 1e6 * inside[0] / n
-            slot_copy = timed(copy)
-            for name, value in (("whole", whole[0]), ("whole cpu", whole[1]),
-                                ("copy", slot_copy[0]), ("copy cpu", slot_copy[1]),
-                                ("rest", whole[0] - slot_copy[0]), ("share", share),
-                                ("wait", wait), ("host", share - wait)):
-                rows.setdefault(name, []).append(value)
+            for kind in ("ahead", "inline"):
+                spent, wait = block(kind == "ahead")
+                for name, value in (("share", spent), ("wait", wait), ("host", spent - wait)):
+                    rows.setdefault(f"{name} {kind}", []).append(value)
+            rows.setdefault("copy", []).append(copies_alone())
         if args.profile:
-            requests = encode(n)
             profile = cProfile.Profile()
-            profile.runcall(lambda: [relay(i) for i in range(n)])
+            profile.runcall(block, True)
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     finally:
         server.stop(0)   # the slot pool (page-locked on cuda) goes with the process
@@ -121,16 +134,17 @@ def main() -> None:
                 if len(values) > 1 else f"{values[0]:.0f}")
     calls = f" (host calls: {backend.host_path})" if args.backend == "cuda" else ""
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, one thread, {args.repeats} "
-          f"blocks of {n} requests: median [range]")
-    print("| part | wall µs/request | CPU µs/request |")
+          f"blocks of {n} requests each way: median [range] µs/request")
+    print("| part | the front's copies ahead | copies inline, same thread |")
     print("|---|---|---|")
-    print(f"| slot copy + prepare + apply + serialise | {cell('whole')} | {cell('whole cpu')} |")
-    print(f"| slot copy alone (the front's share) | {cell('copy')} | {cell('copy cpu')} |")
-    print(f"| the whole less the slot copy alone | {cell('rest')} | |")
-    print(f"| the learner's share, timed around it | {cell('share')} | |")
+    print(f"| the learner's share, timed around it | {cell('share ahead')} "
+          f"| {cell('share inline')} |")
     if args.backend == "cuda":
-        print(f"| of which the step's wait for the device (stream sync) | {cell('wait')} | |")
-        print(f"| the learner's host work (share less that wait) | {cell('host')} | |")
+        print(f"| of which the step's wait for the device (stream sync) | {cell('wait ahead')} "
+              f"| {cell('wait inline')} |")
+        print(f"| the learner's host work (share less that wait) | {cell('host ahead')} "
+              f"| {cell('host inline')} |")
+    print(f"| the front's slot copy alone | | {cell('copy')} |")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,9 @@ class SlotPool:
         return self._base + index * self.size
 
     def write(self, index: int, data: bytes) -> None:
+        if not 0 <= index < self.count or len(data) > self.size:
+            raise ValueError(f"{len(data)} bytes into slot {index}: the pool has {self.count} "
+                             f"slots of {self.size} bytes")
         start = index * self.size
         self.bytes[start:start + len(data)] = np.frombuffer(data, np.uint8)  # GIL released
 

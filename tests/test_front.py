@@ -259,6 +259,19 @@ def test_relay_answers_on_after_a_job_fails_to_close():
         learner.close()
 
 
+def test_slot_pool_refuses_a_write_that_does_not_fit_its_slot():
+    """A write past its slot's end, or into a slot the pool lacks, fails and changes
+    nothing (it would otherwise spill into the next slot's bytes)."""
+    slots = SlotPool(2, 8)
+    slots.write(1, b"12345678")
+    for index, data in ((0, b"123456789"), (2, b"x"), (-1, b"x")):
+        with pytest.raises(ValueError, match="the pool has 2 slots of 8 bytes"):
+            slots.write(index, data)
+    assert bytes(slots.slot(1, 8)) == b"12345678"
+    assert bytes(slots.slot(0, 8)) == bytes(8)
+    slots.close()
+
+
 def test_relay_reads_frames_however_the_socket_splits_them():
     """The learner end reads a front's bytes as they come: OPEN, a request in the slot pool
     and one inline, sent one byte at a time, and then all in one write, get their answers
