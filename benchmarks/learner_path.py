@@ -11,20 +11,22 @@ towards the device), ``apply_train`` (idempotency key, step, response) and seria
 response: the learner's share, timed around those three.  Requests carry distinct keys, as
 from an actor (their batches cycle through 256 distinct ones).
 
-Each repeat times two blocks of ``--requests``, which differ only in where the front's
-copies are made:
-* ahead: every request of the block is copied into a slot of its own before the block
-  (a pool of ``--requests`` slots, ≈ 1 GB at B = 1024), so the learner's thread runs
-  with only its own work in its caches, as in the server, where the fronts copy on their
-  own cores;
+Each repeat times two blocks of ``--requests`` (in turn first), which differ only in
+where the front's copies are made:
+* ahead: every request of the block is copied into a slot of its own before the block, so
+  the learner's thread runs with only its own work in its caches, as in the server, where
+  the fronts copy on their own cores (there they still share the last-level cache and the
+  memory's bandwidth with it, so this is the lower bound);
 * inline: each request is copied into one of 8 slots just before its share, on the same
   thread (this script's only mode until round 10): the copy's megabyte then evicts the
-  learner's working set, which on the H200 host made the share 2.5–3× as long.
+  learner's working set, which on the H200 hosts made the host work 1.5–1.9× as long.
+The pool has max(``--requests``, 8) slots, each a multiple of 4 KiB as the server's are:
+≈ 1 GB at B = 1024 (page-locked on cuda), besides the block's requests (another ≈ 1 GB).
 Reports wall µs per request (the median and the range over ``--repeats``; one host's
-figures drift by tens of per cent from block to block) and, on cuda, the step's wait for
-the device (each step is waited for before the next request is read, so nothing overlaps
-it) and the host work, the share less that wait; --profile adds cProfile's top entries
-over one more block (copies ahead).
+figures drift by tens of per cent from block to block), the front's slot copies alone
+and, on cuda, the step's wait for the device (each step is waited for before the next
+request is read, so nothing overlaps it) and the host work, the share less that wait;
+--profile adds cProfile's top entries over the shares of one more block (copies ahead).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ INLINE_SLOTS = 8   # slots the inline copies cycle through
 WARM = 300         # requests before the timing
 BATCHES = 256      # distinct batches the requests cycle through
 KEY_GROWTH = 16    # bytes a request may outgrow the first one by (its seq's varint)
+PAGE = 4096        # slot sizes are multiples of it, so every slot starts as aligned
 
 
 def main() -> None:
@@ -76,7 +79,7 @@ def main() -> None:
         return [encode_batch_wire(batches[i % len(batches)], actor_id="bench-0-1234-5678",
                                   seq=i + 1) for i in range(first, sent)]
     warm = encode(WARM)
-    pool = SlotPool(max(n, INLINE_SLOTS), len(warm[0]) + KEY_GROWTH)
+    pool = SlotPool(max(n, INLINE_SLOTS), -(-(len(warm[0]) + KEY_GROWTH) // PAGE) * PAGE)
     backend.register_host(pool.bytes)
 
     def share(slot: int, data: bytes) -> float:
@@ -87,18 +90,23 @@ def main() -> None:
             service.apply_train(job, None).SerializeToString()
         return time.perf_counter() - start
 
-    def block(ahead: bool) -> tuple[float, float]:
-        """A block of n new requests: (share, wait) in µs per request."""
+    def block(ahead: bool, profile: cProfile.Profile | None = None) -> tuple[float, float]:
+        """A block of n new requests: (share, wait) in µs per request; ``profile``, if
+        given, runs around the shares alone."""
         requests = encode(n)
         if ahead:
             for i, data in enumerate(requests):
                 pool.write(i, data)
         waited, inside = getattr(backend, "sync_seconds", 0.0), 0.0
+        if profile is not None:
+            profile.enable()
         for i, data in enumerate(requests):
             slot = i if ahead else i % INLINE_SLOTS
             if not ahead:
                 pool.write(slot, data)
             inside += share(slot, data)
+        if profile is not None:
+            profile.disable()
         wait = getattr(backend, "sync_seconds", 0.0) - waited
         return 1e6 * inside / n, 1e6 * wait / n
 
@@ -115,15 +123,15 @@ def main() -> None:
             pool.write(i % INLINE_SLOTS, data)
             share(i % INLINE_SLOTS, data)
         del warm
-        for _ in range(args.repeats):
-            for kind in ("ahead", "inline"):
+        for repeat in range(args.repeats):
+            for kind in (("ahead", "inline"), ("inline", "ahead"))[repeat % 2]:
                 spent, wait = block(kind == "ahead")
                 for name, value in (("share", spent), ("wait", wait), ("host", spent - wait)):
                     rows.setdefault(f"{name} {kind}", []).append(value)
             rows.setdefault("copy", []).append(copies_alone())
         if args.profile:
             profile = cProfile.Profile()
-            profile.runcall(block, True)
+            block(True, profile)
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     finally:
         server.stop(0)   # the slot pool (page-locked on cuda) goes with the process

@@ -95,7 +95,8 @@ dest, rounds = Path(sys.argv[1]), int(sys.argv[2])
 
 
 def learner(text: str) -> str:
-    """learner_path's host work (cuda), else the learner's share, as "median [range]"."""
+    """learner_path's host work (cuda), else the learner's share, as "median [range]"
+    (its first column: the fronts' copies made ahead)."""
     for part in ("host work", "share"):
         found = re.search(rf"\| the learner's {part}[^|]*\| ([^|]+) \|", text)
         if found:

@@ -60,6 +60,8 @@ def test_learner_path_reports_median_and_range_per_part():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 blocks of 20 requests each way" in done.stdout
+    # scripts/ab_gpu.sh takes each row's first figure: the copies-ahead column
+    assert "| part | the front's copies ahead | copies inline, same thread |" in done.stdout
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines()
             if line.startswith("| the ")}
     assert set(rows) == {"the learner's share, timed around it",
