@@ -377,10 +377,10 @@ class RelayLearner:
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._lock = threading.Lock()
         self._received: deque[_Item] = deque()     # the intake's, not yet prepared
-        self._prepared: deque[_Item] = deque()     # for the apply thread
-        self._apply_wake = threading.Condition(self._lock)   # prepared, or the intake ended
+        # Prepared requests for the apply thread, then None once the intake has stopped (a
+        # SimpleQueue: its put and blocking get cost a fraction of a Condition's hand-over).
+        self._prepared: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._waiting_room = False    # the intake waits for the apply thread to take one
-        self._intake_done = False     # the intake thread has stopped
         self._closing = False         # the first front has gone: drain, then stop (intake's)
         self._ready: _Item | None = None   # prepared, not yet handed over (intake's)
         # A byte on this pair wakes the intake's select: room for a request, a front attached.
@@ -426,12 +426,12 @@ class RelayLearner:
             selector.close()
             with self._lock:   # in arrival order; their streams have ended (CANCELLED)
                 if self._ready is not None:
-                    self._prepared.append(self._ready)
+                    self._prepared.put(self._ready)
                     self._ready = None
-                self._prepared.extend(self._received)
+                for item in self._received:
+                    self._prepared.put(item)
                 self._received.clear()
-                self._intake_done = True
-                self._apply_wake.notify()
+                self._prepared.put(None)
             self.closed.set()   # already, unless the intake failed
 
     def _take(self, selector: selectors.BaseSelector) -> None:
@@ -441,7 +441,8 @@ class RelayLearner:
         while True:
             with self._lock:
                 joining, self._joining = self._joining, []
-                room = len(self._prepared) < AHEAD
+                room = self._prepared.qsize() < AHEAD   # the apply thread takes before it
+                # looks at _waiting_room (under this lock), so no wake is lost
                 self._waiting_room = bool(self._received) and not room
             for front in joining:
                 try:
@@ -464,10 +465,8 @@ class RelayLearner:
                 elif not self._read(key.data):
                     self._close_front(selector, key.data)
             if self._ready is not None:
-                with self._lock:
-                    self._prepared.append(self._ready)
-                    self._ready = None
-                    self._apply_wake.notify()
+                self._prepared.put(self._ready)
+                self._ready = None
 
     def _close_front(self, selector: selectors.BaseSelector, front: _Front, *,
                      registered: bool = True) -> None:
@@ -597,12 +596,10 @@ class RelayLearner:
 
     def _apply_loop(self) -> None:
         while True:
+            item = self._prepared.get()
+            if item is None:
+                return
             with self._lock:
-                while not self._prepared and not self._intake_done:
-                    self._apply_wake.wait()
-                if not self._prepared:
-                    return
-                item = self._prepared.popleft()
                 room, self._waiting_room = self._waiting_room, False
             if room:   # the intake waits for this room
                 self._wake()
