@@ -424,14 +424,14 @@ class RelayLearner:
             self._front_closed(self._fronts[0])
         finally:
             selector.close()
-            with self._lock:   # in arrival order; their streams have ended (CANCELLED)
-                if self._ready is not None:
-                    self._prepared.put(self._ready)
-                    self._ready = None
-                for item in self._received:
-                    self._prepared.put(item)
-                self._received.clear()
-                self._prepared.put(None)
+            # In arrival order (their streams have ended: CANCELLED), then the end.
+            if self._ready is not None:
+                self._prepared.put(self._ready)
+                self._ready = None
+            for item in self._received:
+                self._prepared.put(item)
+            self._received.clear()
+            self._prepared.put(None)
             self.closed.set()   # already, unless the intake failed
 
     def _take(self, selector: selectors.BaseSelector) -> None:
@@ -441,8 +441,9 @@ class RelayLearner:
         while True:
             with self._lock:
                 joining, self._joining = self._joining, []
-                room = self._prepared.qsize() < AHEAD   # the apply thread takes before it
-                # looks at _waiting_room (under this lock), so no wake is lost
+                # The apply thread takes a request before it reads _waiting_room (under
+                # this lock), so no wake is lost.
+                room = self._prepared.qsize() < AHEAD
                 self._waiting_room = bool(self._received) and not room
             for front in joining:
                 try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import socket
 import threading
 import time
@@ -420,6 +421,113 @@ def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
         for front in fronts:
             front.close()
     assert "intake failed" not in caplog.text
+
+
+class _Dawdling:
+    """The relay's hand-over queue, pausing at random around a get and a size read, which
+    widens the windows between the two threads' steps of the hand-over."""
+
+    def __init__(self, inner: queue.SimpleQueue, pauses: random.Random):
+        self._inner, self._pauses = inner, pauses
+
+    def _pause(self) -> None:
+        if self._pauses.random() < 0.5:
+            time.sleep(self._pauses.random() * 5e-4)
+
+    def put(self, item) -> None:
+        self._inner.put(item)
+
+    def get(self):
+        self._pause()
+        item = self._inner.get()
+        self._pause()
+        return item
+
+    def qsize(self) -> int:
+        self._pause()
+        size = self._inner.qsize()
+        self._pause()
+        return size
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
+    """Randomised: 3 fronts × 4 streams submit at once through 32 slots per front, prepare
+    and apply pause now and then, and some streams end midway.  A stream that finishes
+    gets every answer, in order; one that ends midway has a prefix of its requests
+    applied, in order; nothing is applied twice and every request is answered (the depth
+    gauge comes back to 0), so the intake/apply hand-over loses no wake.  The hand-over
+    queue dawdles, to widen the race windows: an intake that read the queue's size
+    outside the lock, before setting its "waiting for room" flag, stalled 6 of 9 runs."""
+    pauses = random.Random(seed), random.Random(-seed)   # the intake's, the apply thread's
+    applied: list[bytes] = []
+    depth = [0]
+
+    class Depth:
+        def inc(self):
+            depth[0] += 1
+
+        def dec(self):
+            depth[0] -= 1
+
+    def prepare(data, unary, address):
+        if pauses[0].random() < 0.2:
+            time.sleep(pauses[0].random() * 3e-4)
+        return types.SimpleNamespace(data=bytes(data), close=lambda: None)
+
+    def apply(job, call):
+        if pauses[1].random() < 0.2:
+            time.sleep(pauses[1].random() * 3e-4)
+        applied.append(job.data)
+        return job.data.upper()
+    ends = [socket.socketpair() for _ in range(3)]
+    pools = [SlotPool(32, 64) for _ in ends]
+    learner = RelayLearner(ends[0][0], pools[0], prepare, apply,
+                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: None, depth=Depth())
+    learner._prepared = _Dawdling(learner._prepared, random.Random(seed + 100))
+    learner.start()
+    fronts = [RelayFront(ends[0][1], pools[0])]
+    for (mine, theirs), pool in list(zip(ends, pools))[1:]:
+        learner.attach(mine, pool)
+        fronts.append(RelayFront(theirs, pool))
+    plan = random.Random(seed)
+    streams = [(f, s, plan.choice([None, plan.randrange(1, 40)]))   # None: all 40 sent
+               for f in range(len(fronts)) for s in range(4)]
+    answers: dict[tuple[int, int], list] = {}
+
+    def run(f: int, s: int, end_after: int | None) -> None:
+        stream = fronts[f].open(unary=False, deadline=None)
+        for i in range(40 if end_after is None else end_after):
+            assert stream.submit(f"f{f}s{s}r{i}".encode())
+        if end_after is None:
+            stream.done_sending()
+            answers[f, s] = list(stream.replies())
+        else:
+            stream.close()
+    threads = [threading.Thread(target=run, args=args) for args in streams]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        for _ in range(500):
+            if depth[0] == 0:
+                break
+            time.sleep(0.01)
+        assert depth[0] == 0 and not any(t.is_alive() for t in threads)
+        assert len(applied) == len(set(applied))
+        for f, s, end_after in streams:
+            sent = [f"f{f}s{s}r{i}".encode() for i in range(40 if end_after is None
+                                                             else end_after)]
+            mine = [a for a in applied if a.startswith(f"f{f}s{s}r".encode())]
+            assert mine == sent[:len(mine)]
+            if end_after is None:
+                assert answers[f, s] == [(grpc.StatusCode.OK, b.upper()) for b in sent]
+    finally:
+        for front in fronts:
+            front.close()
+        learner.close()
 
 
 def test_relay_whose_intake_fails_ends_and_answers_what_it_received(caplog):
