@@ -13,8 +13,9 @@ same threads and hand-overs as in the server.  The fronts build each request wit
 copy of its body (``b"".join``): until round 9 they chained ``+``, whose 1 MB temporaries
 made glibc return memory and fault it in again on every request, so one front carried
 ≈ 1000 steps/s instead of ≈ 5000 and the fronts, not the learner, set the pace.  Reports steps/s
-and this process's CPU per step over ``--duration`` seconds after a 0.5 s warm-up, to set
-against benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
+and this process's CPU per step over ``--duration`` seconds after a 0.5 s warm-up, with the
+relay's intake and apply threads' parts of it (their CPU-time clocks), to set against
+benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
 arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
 them): the service and relay alone.
 """
@@ -140,10 +141,13 @@ def _learner(args: argparse.Namespace) -> dict:
                 pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True))
             theirs.close()
         time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
+        clocks = [time.pthread_getcpuclockid(thread.ident) for thread in relay_threads()]
+        threads_cpu = [time.clock_gettime(clock) for clock in clocks]
         steps, cpu, wall = learner.step_count, time.process_time(), time.perf_counter()
         time.sleep(args.duration)
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        threads_cpu = [time.clock_gettime(c) - t for c, t in zip(clocks, threads_cpu)]
         outputs = [child.communicate(timeout=120)[0] for child in children]
     finally:
         for child in children:
@@ -160,8 +164,17 @@ def _learner(args: argparse.Namespace) -> dict:
         raise SystemExit("a front started after the measured window began; its figures "
                          "would be low: rerun on a less loaded machine")
     answers = sum(r["answers"] for r in reports)
-    return {"steps_per_s": steps / wall, "cpu_us_per_step": 1e6 * cpu / max(steps, 1),
+    per_step = 1e6 / max(steps, 1)
+    return {"steps_per_s": steps / wall, "cpu_us_per_step": cpu * per_step,
+            "intake_us_per_step": threads_cpu[0] * per_step,
+            "apply_us_per_step": threads_cpu[1] * per_step,
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
+
+
+def relay_threads() -> list[threading.Thread]:
+    """The relay's intake and apply threads (by name: RelayLearner's)."""
+    named = {thread.name: thread for thread in threading.enumerate()}
+    return [named["duelq-relay-intake"], named["duelq-relay-apply"]]
 
 
 def main() -> None:
@@ -190,9 +203,11 @@ def main() -> None:
     calls = f" (host calls: {result['host_calls']})" if result["host_calls"] else ""
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
           f"{args.streams} streams × window {args.window}, {args.duration:g} s")
-    print("| steps/s | learner process CPU µs/step (relay threads and backend) |")
-    print("|---|---|")
-    print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} |")
+    print("| steps/s | learner process CPU µs/step (relay threads and backend) "
+          "| of which the intake thread | the apply thread |")
+    print("|---|---|---|---|")
+    print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} "
+          f"| {result['intake_us_per_step']:.0f} | {result['apply_us_per_step']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -77,15 +77,18 @@ def test_learner_path_reports_median_and_range_per_part():
 
 def test_relay_path_drives_the_learner_end_from_front_processes():
     """benchmarks/relay_path.py: two front processes stream to the learner end on the null
-    backend; it prints steps/s and CPU per step (their values are not checked)."""
+    backend; it prints steps/s, CPU per step and the relay threads' part of it (their values
+    are not checked beyond that part being within the whole)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "relay_path.py"
     done = subprocess.run([sys.executable, str(script), "--backend", "null", "--fronts", "2",
                            "--streams", "1", "--batch", "32", "--duration", "0.5"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "null, B = 32 float32, 2 fronts × 1 streams" in done.stdout
-    steps, cpu = re.search(r"^\| (\d+) \| (\d+) \|$", done.stdout, re.MULTILINE).groups()
-    assert int(steps) > 0 and int(cpu) > 0
+    figures = re.search(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", done.stdout,
+                        re.MULTILINE).groups()
+    steps, cpu, intake, apply = map(int, figures)
+    assert steps > 0 and cpu > 0 and intake + apply <= cpu + 1   # the threads' share of it
     bad = subprocess.run([sys.executable, str(script), "--fronts", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--fronts" in bad.stderr
