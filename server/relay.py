@@ -391,6 +391,11 @@ class RelayLearner:
                          for target, name in ((self._intake, "intake"),
                                               (self._apply_loop, "apply"))]
 
+    @property
+    def threads(self) -> tuple[threading.Thread, threading.Thread]:
+        """The intake and the apply thread (for their CPU clocks, say)."""
+        return self._threads[0], self._threads[1]
+
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
