@@ -24,8 +24,7 @@ from .state import LearnerState, Params
 class StepOutputs:
     """What one proposed step reports (host values).
 
-    Read-only by convention, not frozen: one is built per request, and a frozen
-    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
     loss: float               # (1/B) Σ w·huber(δ)
     td_errors: np.ndarray     # [B] float32, δ = Q_θ(h_t)[a] − y, before the update

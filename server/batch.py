@@ -24,8 +24,7 @@ class HostSpan:
     :func:`validate_batch` drops it when it converts any array, so a validated batch's span
     holds its arrays in the dtypes the backend gets (int32 actions, float32 vectors).
 
-    Read-only by convention, not frozen: one is built per request, and a frozen
-    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
     address: int                # host address of the first byte
     nbytes: int                 # bytes from there that hold every array
@@ -42,8 +41,7 @@ class Batch:
     (``ml_dtypes``); :func:`validate_batch` widens them to float32 unless the
     backend takes them as they are.
 
-    Read-only by convention, not frozen: one is built per request, and a frozen
-    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9).
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
     """
 
     h_t: np.ndarray        # [B, H] features of s_t

@@ -32,8 +32,7 @@ BACKENDS = ("auto", "cuda", "reference")
 class StepResult:
     """What a committed step returns (DESIGN §2 step 9).
 
-    Read-only by convention, not frozen: one is built per request, and a frozen
-    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
     loss: float               # mean importance-weighted Huber loss
     td_errors: np.ndarray     # [B] float32, before the update
@@ -66,8 +65,7 @@ class Prepared:
 
     A context manager: leaving it gives unused staging space back.
 
-    Read-only by convention, not frozen: one is built per request, and a frozen
-    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9).
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
     """
 
     batch: Batch

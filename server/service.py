@@ -215,8 +215,7 @@ class TrainJob:
     """A train request checked and on its way to the device, waiting for its step; a
     context manager: closing it gives an unused upload back.
 
-    Read-only by convention, not frozen: one is built per request, and a frozen
-    dataclass's __init__ costs ≈ 4× as much (docs/benchmarks.md, round 9)."""
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
     learner: Learner
     key: pb.RequestKey
