@@ -4,17 +4,17 @@
         [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …]
 
 This process plays a ``--front-process`` server's learner process: the service on
-``--backend`` behind a RelayLearner (its intake thread, which reads every front, and its
-apply thread), each front's slot pool page-locked on cuda.  Each of ``--fronts`` child processes
+``--backend`` behind a RelayLearner (its one thread reads every front, prepares, steps and
+replies), each front's slot pool page-locked on cuda.  Each of ``--fronts`` child processes
 plays a front with the real RelayFront: ``--streams`` TrainStreams that keep ``--window``
 requests in flight, every request with a key of its own (B = ``--batch`` float32).  With
 no gRPC and no actors, what is left is the relay and the learner's own work, under the
-same threads and hand-overs as in the server.  The fronts build each request with one
+same thread as in the server.  The fronts build each request with one
 copy of its body (``b"".join``): until round 9 they chained ``+``, whose 1 MB temporaries
 made glibc return memory and fault it in again on every request, so one front carried
 ≈ 1000 steps/s instead of ≈ 5000 and the fronts, not the learner, set the pace.  Reports steps/s
 and this process's CPU per step over ``--duration`` seconds after a 0.5 s warm-up, with the
-relay's intake and apply threads' parts of it (their CPU-time clocks), to set against
+relay thread's part of it (its CPU-time clock), to set against
 benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
 arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
 them): the service and relay alone.
@@ -141,13 +141,13 @@ def _learner(args: argparse.Namespace) -> dict:
                 pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True))
             theirs.close()
         time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
-        # The threads' clocks are read inside the process clock's window, so their share
-        # of it is never overstated.
-        clocks = [time.pthread_getcpuclockid(thread.ident) for thread in relay.threads]
+        # The thread's clock is read inside the process clock's window, so its share of it
+        # is never overstated.
+        clock = time.pthread_getcpuclockid(relay.thread.ident)
         cpu, wall = time.process_time(), time.perf_counter()
-        steps, threads_cpu = learner.step_count, [time.clock_gettime(c) for c in clocks]
+        steps, relay_cpu = learner.step_count, time.clock_gettime(clock)
         time.sleep(args.duration)
-        threads_cpu = [time.clock_gettime(c) - t for c, t in zip(clocks, threads_cpu)]
+        relay_cpu = time.clock_gettime(clock) - relay_cpu
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         outputs = [child.communicate(timeout=120)[0] for child in children]
@@ -168,8 +168,7 @@ def _learner(args: argparse.Namespace) -> dict:
     answers = sum(r["answers"] for r in reports)
     per_step = 1e6 / max(steps, 1)
     return {"steps_per_s": steps / wall, "cpu_us_per_step": cpu * per_step,
-            "intake_us_per_step": threads_cpu[0] * per_step,
-            "apply_us_per_step": threads_cpu[1] * per_step,
+            "relay_us_per_step": relay_cpu * per_step,
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
 
 
@@ -200,11 +199,11 @@ def main() -> None:
     calls = f" (host calls: {result['host_calls']})" if result["host_calls"] else ""
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
           f"{args.streams} streams × window {args.window}, {args.duration:g} s")
-    print("| steps/s | learner process CPU µs/step (relay threads and backend) "
-          "| of which the intake thread | the apply thread |")
-    print("|---|---|---|---|")
+    print("| steps/s | learner process CPU µs/step (relay and backend) "
+          "| of which the relay thread |")
+    print("|---|---|---|")
     print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} "
-          f"| {result['intake_us_per_step']:.0f} | {result['apply_us_per_step']:.0f} |")
+          f"| {result['relay_us_per_step']:.0f} |")
 
 
 if __name__ == "__main__":

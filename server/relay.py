@@ -18,9 +18,9 @@ Every REQ gets exactly one REPLY, in order within its stream; the front gives a
 slot back only on its REPLY, so the learner reads the bytes in place.  With several
 front processes (``--front-processes``) each has its own socket and slot pool, and
 stream ids are each front's own.  The learner
-takes requests in arrival order on two threads: one reads every front's frames and
-checks the next request and starts its copy to the device, while the other steps the one
-before it (:class:`RelayLearner`).
+takes requests in arrival order on one thread, which reads every front's frames, checks
+each request and starts its copy to the device before it steps the one before
+(:class:`RelayLearner`).
 """
 
 from __future__ import annotations
@@ -300,8 +300,7 @@ class _Front:
 
     def __init__(self, index: int, sock: socket.socket, slots: SlotPool):
         self.index, self.sock, self.slots = index, sock, slots
-        self.send_lock = threading.Lock()
-        self.unread = bytearray()   # bytes received and not yet framed (the intake's)
+        self.unread = bytearray()   # bytes received and not yet framed
 
 
 class _LearnerStream:
@@ -315,7 +314,7 @@ class _LearnerStream:
 
 
 class _Item:
-    """One relayed request on its way through the prepare and apply threads."""
+    """One relayed request on its way through the relay: received, prepared, answered."""
 
     __slots__ = ("stream", "slot", "data", "deadline", "arrived", "job", "error")
 
@@ -344,19 +343,20 @@ Apply = Callable[[Job, RelayCall], bytes]
 #: Turns an exception into (status code, details), given unary.
 Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
 
-#: Prepared requests that may wait for the apply thread: with the one stepping, the
-#: CUDA backend's three upload slots (cuda.UPLOAD_SLOTS), so each request's copy is early.
-AHEAD = 2
+#: Requests prepared ahead of the one being stepped: its copy to the device then overlaps
+#: that step.  With the one stepping, within the CUDA backend's upload slots
+#: (cuda.UPLOAD_SLOTS), so no request's batch is packed at its step.
+AHEAD = 1
 
 
 class RelayLearner:
-    """The learner process's end: two threads take every request in arrival order.  The
-    intake thread reads every front's frames (one selector), checks the next request and
-    starts its copy to the device while the apply thread steps the one before and replies,
-    so a step's device time overlaps the next request's host work.  Two threads in all, not
-    one per stream nor one per front, so a request crosses one thread hand-over and the
-    GIL is not contended.  A stream's requests are answered in its order, and none after
-    its first refusal is applied.
+    """The learner process's end: one thread takes every request in arrival order.  It
+    reads every front's frames (one selector), checks the next request and starts its copy
+    to the device, then steps the one before and replies, so each request's copy overlaps
+    the step before it.  One thread, not one per stream or per front nor a reader handing
+    over to a stepper: a request crosses no thread hand-over and never waits for the GIL
+    (docs/benchmarks.md, round 11).  A stream's requests are answered in its order, and
+    none after its first refusal is applied.
 
     ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts.  When
     the first front's connection closes, the relay drains and ends; when another's does,
@@ -368,37 +368,31 @@ class RelayLearner:
                  refused: Callable[[str, str], None] = lambda method, code: None,
                  relayed: Callable[[int], None] = lambda front: None):
         self._fronts = [_Front(0, sock, slots)]
-        self._joining = list(self._fronts)   # attached, not yet read by the intake
+        self._joining = list(self._fronts)   # attached, not yet read (under _lock)
+        self._lock = threading.Lock()        # attach() runs on other threads
         self._relayed = relayed   # (front index) per request received
         self._depth = depth   # counts requests from their arrival to their answer
         self._refused = refused   # (method, code name) of an rpc the front refused
         self._prepare, self._apply, self._refuse = prepare, apply, refuse
         self._open_stream, self._close_stream = open_stream, close_stream
+        # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
-        self._lock = threading.Lock()
-        self._received: deque[_Item] = deque()     # the intake's, not yet prepared
-        # Prepared requests for the apply thread, then None once the intake has stopped (a
-        # SimpleQueue: its put and blocking get cost a fraction of a Condition's hand-over).
-        self._prepared: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self._waiting_room = False    # the intake waits for the apply thread to take one
-        self._closing = False         # the first front has gone: drain, then stop (intake's)
-        self._ready: _Item | None = None   # prepared, not yet handed over (intake's)
-        # A byte on this pair wakes the intake's select: room for a request, a front attached.
+        self._received: deque[_Item] = deque()   # not yet prepared
+        self._prepared: deque[_Item] = deque()   # prepared, not yet stepped (≤ AHEAD + 1)
+        self._closing = False         # the first front has gone: drain, then stop
+        # A byte on this pair wakes the relay's select: a front attached.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
         self.closed = threading.Event()
-        self._threads = [threading.Thread(target=target, name=f"duelq-relay-{name}", daemon=True)
-                         for target, name in ((self._intake, "intake"),
-                                              (self._apply_loop, "apply"))]
+        self._thread = threading.Thread(target=self._serve, name="duelq-relay", daemon=True)
 
     @property
-    def threads(self) -> tuple[threading.Thread, threading.Thread]:
-        """The intake and the apply thread (for their CPU clocks, say)."""
-        return self._threads[0], self._threads[1]
+    def thread(self) -> threading.Thread:
+        """The relay's one thread (for its CPU clock, say)."""
+        return self._thread
 
     def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
+        self._thread.start()
 
     def attach(self, sock: socket.socket, slots: SlotPool) -> int:
         """Serve one more front process (after :meth:`start`); returns its index."""
@@ -406,73 +400,67 @@ class RelayLearner:
             front = _Front(len(self._fronts), sock, slots)
             self._fronts.append(front)
             self._joining.append(front)
-        self._wake()
-        return front.index
-
-    def _wake(self) -> None:
         try:
             self._wake_out.send(b"\0")
         except OSError:   # full (a wake is pending anyway) or closed
             pass
+        return front.index
 
-    def _intake(self) -> None:
-        """Read the fronts' frames and prepare their requests in arrival order, at most
-        AHEAD waiting for the apply thread; ends once the first front's connection has
-        closed and every request received is prepared.  Should it fail, the relay ends as
-        when the first front goes: every stream ends and each request left is answered."""
+    def _serve(self) -> None:
+        """Read the fronts' frames, prepare and step their requests in arrival order; ends
+        once the first front's connection has closed and every request received is
+        answered.  Should it fail, the relay ends as when the first front goes: every
+        stream ends and each request left is answered."""
         selector = selectors.DefaultSelector()
         selector.register(self._wake_in, selectors.EVENT_READ)
         try:
-            self._take(selector)
+            self._loop(selector)
         except Exception:  # noqa: BLE001 — logged; the relay ends and answers what it holds
-            log.exception("the relay's intake failed: ending every stream")
+            log.exception("the relay failed: ending every stream")
             self._front_closed(self._fronts[0])
+            for item in (*self._prepared, *self._received):   # CANCELLED: their streams ended
+                self._answer(item)
         finally:
             selector.close()
-            # In arrival order (their streams have ended: CANCELLED), then the end.
-            if self._ready is not None:
-                self._prepared.put(self._ready)
-                self._ready = None
-            for item in self._received:
-                self._prepared.put(item)
-            self._received.clear()
-            self._prepared.put(None)
-            self.closed.set()   # already, unless the intake failed
+            self.closed.set()   # already, unless the relay failed
 
-    def _take(self, selector: selectors.BaseSelector) -> None:
-        """:meth:`_intake`'s loop.  A request, once prepared (``_ready``), goes to the
-        apply thread only after the frames that came meanwhile are read, so an END sent
-        during its preparation still stops it."""
+    def _loop(self, selector: selectors.BaseSelector) -> None:
+        """:meth:`_serve`'s loop.  Each pass prepares the next request received (at most
+        AHEAD ahead of the next to step), reads the frames that came meanwhile, then steps
+        and answers the oldest prepared request.  So a request is stepped only after the
+        frames sent during its preparation are read (an END stops it), and the next one's
+        copy to the device is under way during its step."""
+        prepared, received = self._prepared, self._received
         while True:
-            with self._lock:
-                joining, self._joining = self._joining, []
-                # The apply thread takes a request before it reads _waiting_room (under
-                # this lock), so no wake is lost.
-                room = self._prepared.qsize() < AHEAD
-                self._waiting_room = bool(self._received) and not room
-            for front in joining:
-                try:
-                    if self._closing:   # the relay only drains what it has
-                        raise ValueError("the relay is closing")
-                    selector.register(front.sock, selectors.EVENT_READ, front)
-                except (OSError, ValueError):   # closed before it was read, or too late
-                    self._close_front(selector, front, registered=False)
-            if self._received and (room or self._closing):
-                self._ready = self._prepare_next()
-            elif self._closing:
+            if self._joining:
+                self._join(selector)
+            if received and len(prepared) <= AHEAD:
+                prepared.append(self._prepare_next())
+            elif not prepared and self._closing:
                 return
-            # With a request just prepared only look (frames are likely there), else wait
-            # for a frame or a wake.
-            for key, _ in selector.select(0 if self._ready is not None else None):
+            # With a request to step, only look (frames are likely there), else wait for a
+            # frame or a wake.
+            for key, _ in selector.select(0 if prepared else None):
                 if key.data is None:
                     self._wake_in.recv(4096)
                 elif self._closing:   # unregistered earlier in this pass
                     continue
                 elif not self._read(key.data):
                     self._close_front(selector, key.data)
-            if self._ready is not None:
-                self._prepared.put(self._ready)
-                self._ready = None
+            if prepared:
+                self._answer(prepared.popleft())
+
+    def _join(self, selector: selectors.BaseSelector) -> None:
+        """Start reading the fronts attached since the last pass."""
+        with self._lock:
+            joining, self._joining = self._joining, []
+        for front in joining:
+            try:
+                if self._closing:   # the relay only drains what it has
+                    raise ValueError("the relay is closing")
+                selector.register(front.sock, selectors.EVENT_READ, front)
+            except (OSError, ValueError):   # closed before it was read, or too late
+                self._close_front(selector, front, registered=False)
 
     def _close_front(self, selector: selectors.BaseSelector, front: _Front, *,
                      registered: bool = True) -> None:
@@ -529,15 +517,11 @@ class RelayLearner:
         """``front``'s connection closed: its streams end (every stream, for the first
         front, whose end is the relay's)."""
         log.info("relay closed (front process %d)", front.index + 1)
-        ended = []
-        with self._lock:
-            for stream in self._streams.values():
-                if front.index == 0 or stream.front is front:
-                    stream.ended = True
-                    if not stream.outstanding:
-                        ended.append(stream)
-        for stream in ended:   # the others end with their last answer
-            self._finish(stream)
+        for stream in list(self._streams.values()):
+            if front.index == 0 or stream.front is front:
+                stream.ended = True
+                if not stream.outstanding:   # else it ends with its last answer
+                    self._finish(stream)
         if front.index == 0:
             self.closed.set()
 
@@ -550,40 +534,31 @@ class RelayLearner:
             except Exception as exc:  # noqa: BLE001 — e.g. too many streams: its first answer
                 code, details = self._refuse(exc, unary)
                 stream.failed = (code, details.encode())
-        with self._lock:
-            self._streams[front.index, sid] = stream
+        self._streams[front.index, sid] = stream
 
     def _enqueue(self, front: _Front, sid: int, slot: int, data: memoryview,
                  deadline: float) -> None:
-        with self._lock:
-            stream = self._streams.get((front.index, sid))
-            if stream is not None:
-                self._relayed(front.index)
-                if self._depth is not None:   # before the apply thread can count it out
-                    self._depth.inc()
-                stream.outstanding += 1
-                self._received.append(_Item(stream, slot, data, deadline))
-                return
-        # Not open (a front bug): answer, so its slot comes back.
-        self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
-                    b"unknown stream; not applied")
+        stream = self._streams.get((front.index, sid))
+        if stream is None:   # not open (a front bug): answer, so its slot comes back
+            self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
+                        b"unknown stream; not applied")
+            return
+        self._relayed(front.index)
+        if self._depth is not None:
+            self._depth.inc()
+        stream.outstanding += 1
+        self._received.append(_Item(stream, slot, data, deadline))
 
     def _end(self, front: _Front, sid: int) -> None:
-        with self._lock:
-            stream = self._streams.get((front.index, sid))
-            if stream is None:
-                return
+        stream = self._streams.get((front.index, sid))
+        if stream is not None:
             stream.ended = True
-            if stream.outstanding:
-                return
-        self._finish(stream)
+            if not stream.outstanding:
+                self._finish(stream)
 
     def _finish(self, stream: _LearnerStream) -> None:
-        with self._lock:
-            if self._streams.get((stream.front.index, stream.sid)) is not stream:
-                return   # finished already
-            del self._streams[stream.front.index, stream.sid]
-        if stream.admitted:
+        if self._streams.pop((stream.front.index, stream.sid), None) is stream \
+                and stream.admitted:
             self._close_stream()
 
     def _prepare_next(self) -> _Item:
@@ -596,28 +571,20 @@ class RelayLearner:
             address = slots.address(item.slot) if item.slot >= 0 else None
             try:
                 item.job = self._prepare(item.data, stream.unary, address)
-            except Exception as exc:  # noqa: BLE001 — answered in order by the apply thread
+            except Exception as exc:  # noqa: BLE001 — answered in order, at its turn
                 item.error = exc
         return item
 
-    def _apply_loop(self) -> None:
-        while True:
-            item = self._prepared.get()
-            if item is None:
-                return
-            with self._lock:
-                room, self._waiting_room = self._waiting_room, False
-            if room:   # the intake waits for this room
-                self._wake()
-            code, payload = self._run(item)
-            with self._lock:   # before the answer: an END it prompts finds the stream idle
-                item.stream.outstanding -= 1
-                done = item.stream.ended and not item.stream.outstanding
-            self._reply(item.stream, item.slot, code, payload)
-            if self._depth is not None:
-                self._depth.dec()
-            if done:
-                self._finish(item.stream)
+    def _answer(self, item: _Item) -> None:
+        """Step ``item`` (or refuse it) and reply."""
+        code, payload = self._run(item)
+        stream = item.stream
+        stream.outstanding -= 1
+        self._reply(stream, item.slot, code, payload)
+        if self._depth is not None:
+            self._depth.dec()
+        if stream.ended and not stream.outstanding:
+            self._finish(stream)
 
     def _run(self, item: _Item) -> tuple[grpc.StatusCode, bytes]:
         stream = item.stream
@@ -655,22 +622,19 @@ class RelayLearner:
     def _reply(self, stream: _LearnerStream, slot: int, code: grpc.StatusCode,
                payload: bytes) -> None:
         frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
-        front = stream.front
         try:
-            with front.send_lock:
-                front.sock.sendall(frame + payload)   # one system call
+            stream.front.sock.sendall(frame + payload)   # one system call
         except OSError:
-            pass   # the front is gone; the intake sees it too
+            pass   # the front is gone; the loop sees it too
 
     def close(self) -> None:
         with self._lock:
-            fronts, threads = list(self._fronts), list(self._threads)
+            fronts = list(self._fronts)
         for front in fronts:
             try:
                 front.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for thread in threads:   # the intake sees the first front close, drains and ends
-            thread.join(5)
+        self._thread.join(5)   # it sees the first front close, drains and ends
         for sock in [front.sock for front in fronts] + [self._wake_out, self._wake_in]:
             sock.close()

@@ -77,7 +77,7 @@ def test_learner_path_reports_median_and_range_per_part():
 
 def test_relay_path_drives_the_learner_end_from_front_processes():
     """benchmarks/relay_path.py: two front processes stream to the learner end on the null
-    backend; it prints steps/s, CPU per step and the relay threads' part of it (their values
+    backend; it prints steps/s, CPU per step and the relay thread's part of it (the values
     are not checked beyond that part being within the whole)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "relay_path.py"
     done = subprocess.run([sys.executable, str(script), "--backend", "null", "--fronts", "2",
@@ -85,11 +85,10 @@ def test_relay_path_drives_the_learner_end_from_front_processes():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "null, B = 32 float32, 2 fronts × 1 streams" in done.stdout
-    figures = re.search(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", done.stdout,
+    figures = re.search(r"^\| (\d+) \| (\d+) \| (\d+) \|$", done.stdout,
                         re.MULTILINE).groups()
-    steps, cpu, intake, apply = map(int, figures)
-    assert steps > 0 and intake > 0 and apply > 0
-    assert intake + apply <= cpu + 1   # the threads' share of it (each figure rounded)
+    steps, cpu, relay = map(int, figures)
+    assert steps > 0 and 0 < relay <= cpu   # the relay thread's share of it
     bad = subprocess.run([sys.executable, str(script), "--fronts", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--fronts" in bad.stderr

@@ -582,7 +582,7 @@ def test_16_bit_features_widened_on_the_device_match_float32(dtype, B, H):
 
 def test_the_relay_keeps_no_more_jobs_than_there_are_upload_slots():
     from duelq.server import cuda, relay
-    assert relay.AHEAD + 1 == cuda.UPLOAD_SLOTS
+    assert relay.AHEAD + 1 <= cuda.UPLOAD_SLOTS
 
 
 @pytest.mark.parametrize("native", HOST_PATHS)

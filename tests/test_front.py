@@ -235,7 +235,7 @@ def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL
 
 
 def test_relay_answers_on_after_a_job_fails_to_close():
-    """A job whose close raises (a device fault) is logged; the relay's apply thread lives
+    """A job whose close raises (a device fault) is logged; the relay's thread lives
     on and later requests are answered."""
     def apply(job, call):
         if job.bad:
@@ -337,8 +337,8 @@ def _named_jobs_relay(prepare_hook, applied: list, **kwargs):
 
 
 def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
-    """A request whose stream ends while the intake prepares it is not applied: its END is
-    read before the request goes to the apply thread."""
+    """A request whose stream ends while the relay prepares it is not applied: its END is
+    read before the request is stepped."""
     preparing, applied = threading.Event(), []
 
     class Depth:   # requests received and not yet answered
@@ -420,34 +420,7 @@ def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
         counts.update(open=0, close=0)
         for front in fronts:
             front.close()
-    assert "intake failed" not in caplog.text
-
-
-class _Dawdling:
-    """The relay's hand-over queue, pausing at random around a get and a size read, which
-    widens the windows between the two threads' steps of the hand-over."""
-
-    def __init__(self, inner: queue.SimpleQueue, pauses: random.Random):
-        self._inner, self._pauses = inner, pauses
-
-    def _pause(self) -> None:
-        if self._pauses.random() < 0.5:
-            time.sleep(self._pauses.random() * 5e-4)
-
-    def put(self, item) -> None:
-        self._inner.put(item)
-
-    def get(self):
-        self._pause()
-        item = self._inner.get()
-        self._pause()
-        return item
-
-    def qsize(self) -> int:
-        self._pause()
-        size = self._inner.qsize()
-        self._pause()
-        return size
+    assert "the relay failed" not in caplog.text
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -456,10 +429,8 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
     and apply pause now and then, and some streams end midway.  A stream that finishes
     gets every answer, in order; one that ends midway has a prefix of its requests
     applied, in order; nothing is applied twice and every request is answered (the depth
-    gauge comes back to 0), so the intake/apply hand-over loses no wake.  The hand-over
-    queue dawdles, to widen the race windows: an intake that read the queue's size
-    outside the lock, before setting its "waiting for room" flag, stalled 6 of 9 runs."""
-    pauses = random.Random(seed), random.Random(-seed)   # the intake's, the apply thread's
+    gauge comes back to 0)."""
+    pauses = random.Random(seed), random.Random(-seed)   # prepare's, apply's
     applied: list[bytes] = []
     depth = [0]
 
@@ -485,7 +456,6 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
     learner = RelayLearner(ends[0][0], pools[0], prepare, apply,
                            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
                            open_stream=lambda: None, close_stream=lambda: None, depth=Depth())
-    learner._prepared = _Dawdling(learner._prepared, random.Random(seed + 100))
     learner.start()
     fronts = [RelayFront(ends[0][1], pools[0])]
     for (mine, theirs), pool in list(zip(ends, pools))[1:]:
@@ -530,8 +500,8 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
         learner.close()
 
 
-def test_relay_whose_intake_fails_ends_and_answers_what_it_received(caplog):
-    """Should the intake thread fail, the relay ends as when its first front goes: every
+def test_relay_that_fails_ends_and_answers_what_it_received(caplog):
+    """Should the relay's thread fail, the relay ends as when its first front goes: every
     stream ends, each request it holds is answered, and ``closed`` is set."""
     applied: list = []
     learner, front = _named_jobs_relay(lambda name: None, applied)
@@ -540,7 +510,7 @@ def test_relay_whose_intake_fails_ends_and_answers_what_it_received(caplog):
     def failing_read(one):   # after the first step, fails once it has read a frame
         more = reads(one)
         if applied:
-            raise RuntimeError("the intake failed (simulated)")
+            raise RuntimeError("the relay failed (simulated)")
         return more
     learner._read = failing_read
     try:
@@ -548,10 +518,10 @@ def test_relay_whose_intake_fails_ends_and_answers_what_it_received(caplog):
         assert stream.submit(b"first")
         answers = stream.replies()
         assert next(answers) == (grpc.StatusCode.OK, b"first")
-        assert stream.submit(b"second")   # received by the failing intake, never prepared
+        assert stream.submit(b"second")   # received by the failing relay, never prepared
         code, _ = next(answers)
         assert code == grpc.StatusCode.CANCELLED and learner.closed.wait(5)
-        assert "the relay's intake failed" in caplog.text and applied == ["first"]
+        assert "the relay failed" in caplog.text and applied == ["first"]
     finally:
         front.close()
         learner.close()
