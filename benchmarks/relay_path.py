@@ -14,7 +14,9 @@ copy of its body (``b"".join``): until round 9 they chained ``+``, whose 1 MB te
 made glibc return memory and fault it in again on every request, so one front carried
 ≈ 1000 steps/s instead of ≈ 5000 and the fronts, not the learner, set the pace.  Reports steps/s
 and this process's CPU per step over ``--duration`` seconds after a 0.5 s warm-up, with the
-relay thread's part of it (its CPU-time clock), to set against
+relay thread's part of it (its CPU-time clock) and, of that, the step's device wait (cuda's
+sync spins): the rest is the learner's host work per request as the server runs it, the
+figure issue 5's overhead goal is about.  Set it against
 benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
 arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
 them): the service and relay alone.
@@ -146,7 +148,9 @@ def _learner(args: argparse.Namespace) -> dict:
         clock = time.pthread_getcpuclockid(relay.thread.ident)
         cpu, wall = time.process_time(), time.perf_counter()
         steps, relay_cpu = learner.step_count, time.clock_gettime(clock)
+        waited = getattr(learner.backend, "sync_seconds", 0.0)
         time.sleep(args.duration)
+        waited = getattr(learner.backend, "sync_seconds", 0.0) - waited
         relay_cpu = time.clock_gettime(clock) - relay_cpu
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -168,7 +172,7 @@ def _learner(args: argparse.Namespace) -> dict:
     answers = sum(r["answers"] for r in reports)
     per_step = 1e6 / max(steps, 1)
     return {"steps_per_s": steps / wall, "cpu_us_per_step": cpu * per_step,
-            "relay_us_per_step": relay_cpu * per_step,
+            "relay_us_per_step": relay_cpu * per_step, "wait_us_per_step": waited * per_step,
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
 
 
@@ -199,11 +203,12 @@ def main() -> None:
     calls = f" (host calls: {result['host_calls']})" if result["host_calls"] else ""
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
           f"{args.streams} streams × window {args.window}, {args.duration:g} s")
-    print("| steps/s | learner process CPU µs/step (relay and backend) "
-          "| of which the relay thread |")
-    print("|---|---|---|")
+    print("| steps/s | learner process CPU µs/step | of which the relay thread "
+          "| of which the device wait | the relay thread's host work |")
+    print("|---|---|---|---|---|")
     print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} "
-          f"| {result['relay_us_per_step']:.0f} |")
+          f"| {result['relay_us_per_step']:.0f} | {result['wait_us_per_step']:.0f} "
+          f"| {result['relay_us_per_step'] - result['wait_us_per_step']:.0f} |")
 
 
 if __name__ == "__main__":

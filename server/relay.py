@@ -619,11 +619,15 @@ class RelayLearner:
         except BufferError:   # still viewed by the batch of a refused request
             pass
 
-    def _reply(self, stream: _LearnerStream, slot: int, code: grpc.StatusCode,
+    @staticmethod
+    def _reply(stream: _LearnerStream, slot: int, code: grpc.StatusCode,
                payload: bytes) -> None:
         frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
         try:
-            stream.front.sock.sendall(frame + payload)   # one system call
+            sock = stream.front.sock
+            sent = sock.sendmsg((frame, payload))   # one system call, no joined copy
+            if sent < len(frame) + len(payload):   # the socket's buffer was full
+                sock.sendall(memoryview(frame + payload)[sent:])
         except OSError:
             pass   # the front is gone; the loop sees it too
 

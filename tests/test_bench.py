@@ -77,18 +77,20 @@ def test_learner_path_reports_median_and_range_per_part():
 
 def test_relay_path_drives_the_learner_end_from_front_processes():
     """benchmarks/relay_path.py: two front processes stream to the learner end on the null
-    backend; it prints steps/s, CPU per step and the relay thread's part of it (the values
-    are not checked beyond that part being within the whole)."""
+    backend; it prints steps/s, CPU per step, the relay thread's part of it and that less
+    the device wait (none here; the values are not checked beyond that part being within
+    the whole)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "relay_path.py"
     done = subprocess.run([sys.executable, str(script), "--backend", "null", "--fronts", "2",
                            "--streams", "1", "--batch", "32", "--duration", "0.5"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "null, B = 32 float32, 2 fronts × 1 streams" in done.stdout
-    figures = re.search(r"^\| (\d+) \| (\d+) \| (\d+) \|$", done.stdout,
-                        re.MULTILINE).groups()
-    steps, cpu, relay = map(int, figures)
+    figures = re.search(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (-?\d+) \|$",
+                        done.stdout, re.MULTILINE).groups()
+    steps, cpu, relay, wait, host = map(int, figures)
     assert steps > 0 and 0 < relay <= cpu   # the relay thread's share of it
+    assert wait == 0 and host == relay      # no device
     bad = subprocess.run([sys.executable, str(script), "--fronts", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--fronts" in bad.stderr

@@ -273,6 +273,31 @@ def test_slot_pool_refuses_a_write_that_does_not_fit_its_slot():
     slots.close()
 
 
+def test_relay_reply_sends_the_rest_after_a_partial_send():
+    """A reply goes out with one sendmsg of the frame and the payload; should that send
+    only part (a signal, say), the rest follows, so the front reads a whole reply."""
+    from duelq.server.relay import _REPLY, _Front, _LearnerStream
+
+    class Sock:
+        def __init__(self):
+            self.sent = b""
+
+        def sendmsg(self, buffers):
+            whole = b"".join(buffers)
+            self.sent += whole[:5]
+            return 5
+
+        def sendall(self, data):
+            self.sent += bytes(data)
+    sock, slots = Sock(), SlotPool(1, 64)
+    try:
+        stream = _LearnerStream(_Front(1, sock, slots), 7, False)
+        RelayLearner._reply(stream, 0, grpc.StatusCode.OK, b"the payload")
+        assert sock.sent == _REPLY.pack(7, 0, grpc.StatusCode.OK.value[0], 11) + b"the payload"
+    finally:
+        slots.close()
+
+
 def test_relay_reads_frames_however_the_socket_splits_them():
     """The learner end reads a front's bytes as they come: OPEN, a request in the slot pool
     and one inline, sent one byte at a time, and then all in one write, get their answers
