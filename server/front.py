@@ -17,7 +17,7 @@ With ``front_processes`` = K > 1, K − 1 more front processes bind the same por
 (SO_REUSEPORT: the kernel spreads incoming connections over the K), each with a GIL of
 its own.  Each connects to the learner process's relay socket in the private directory
 and hands it a slot pool of its own; the learner process takes requests from every front
-on the same two threads (one reads every front's frames), in arrival order.  The first
+on its one relay thread (which reads every front's frames), in arrival order.  The first
 front starts and stops the others.
 
 Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING (the other fronts too), asks

@@ -354,9 +354,9 @@ class RelayLearner:
     reads every front's frames (one selector), checks the next request and starts its copy
     to the device, then steps the one before and replies, so each request's copy overlaps
     the step before it.  One thread, not one per stream or per front nor a reader handing
-    over to a stepper: a request crosses no thread hand-over and never waits for the GIL
-    (docs/benchmarks.md, round 11).  A stream's requests are answered in its order, and
-    none after its first refusal is applied.
+    over to a stepper: a request crosses no thread hand-over, and no second busy thread
+    takes the GIL between its parts (docs/benchmarks.md, round 11).  A stream's requests
+    are answered in its order, and none after its first refusal is applied.
 
     ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts.  When
     the first front's connection closes, the relay drains and ends; when another's does,
@@ -608,7 +608,7 @@ class RelayLearner:
     @staticmethod
     def _close(item: _Item) -> None:
         """Give a request's job and bytes back; a failure here (a device fault, say) is logged,
-        so the apply thread lives on and every later request is still answered."""
+        so the relay thread lives on and every later request is still answered."""
         try:
             if item.job is not None:
                 item.job.close()
