@@ -288,6 +288,8 @@ class RelayCall:
         return self._deadline - time.monotonic() if self._deadline else None
 
     def is_active(self) -> bool:
+        """False once the call has ended or its deadline has passed.  It knows of an end as
+        far as the relay has read: its thread reads no frames while it steps."""
         return not self._stream.ended and (not self._deadline
                                            or time.monotonic() < self._deadline)
 
@@ -425,11 +427,12 @@ class RelayLearner:
             self.closed.set()   # already, unless the relay failed
 
     def _loop(self, selector: selectors.BaseSelector) -> None:
-        """:meth:`_serve`'s loop.  Each pass prepares the next request received (at most
-        AHEAD ahead of the next to step), reads the frames that came meanwhile, then steps
-        and answers the oldest prepared request.  So a request is stepped only after the
-        frames sent during its preparation are read (an END stops it), and the next one's
-        copy to the device is under way during its step."""
+        """:meth:`_serve`'s loop.  Each pass prepares the next request received (while at
+        most AHEAD wait behind the next to step), reads the frames that came meanwhile,
+        then steps and answers the oldest prepared request once AHEAD are prepared behind
+        it or none is left to prepare.  So a request is stepped only after the frames sent
+        during its preparation are read (an END stops it), and the next one's copy to the
+        device is under way during its step."""
         prepared, received = self._prepared, self._received
         while True:
             if self._joining:
@@ -447,7 +450,7 @@ class RelayLearner:
                     continue
                 elif not self._read(key.data):
                     self._close_front(selector, key.data)
-            if prepared:
+            if prepared and (len(prepared) > AHEAD or not received):
                 self._answer(prepared.popleft())
 
     def _join(self, selector: selectors.BaseSelector) -> None:
@@ -599,7 +602,12 @@ class RelayLearner:
             call = RelayCall(item.deadline, stream, item.arrived)
             return grpc.StatusCode.OK, self._apply(item.job, call)
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
-            code, details = self._refuse(exc, stream.unary)
+            try:
+                code, details = self._refuse(exc, stream.unary)
+            except Exception:  # noqa: BLE001 — still answered, so the front's slot comes back
+                log.exception("wording the refusal of a request of stream %d failed",
+                              stream.sid)
+                code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             stream.failed = (code, details.encode())
             return stream.failed
         finally:

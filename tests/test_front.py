@@ -260,6 +260,40 @@ def test_relay_answers_on_after_a_job_fails_to_close():
         learner.close()
 
 
+def test_relay_answers_a_refusal_it_cannot_word(caplog):
+    """Should wording a refusal fail too, the request is still answered (INTERNAL, naming
+    the first error), so its front's slot comes back, and the relay serves on."""
+    def apply(job, call):
+        if job.bad:
+            raise ValueError("the step failed")
+        return b"ok"
+
+    def refuse(exc, unary):
+        raise RuntimeError("the refusal's wording failed (simulated)")
+    learner_end, front_end = socket.socketpair()
+    slots = SlotPool(4, 64)
+    learner = RelayLearner(
+        learner_end, slots,
+        lambda data, unary, address: types.SimpleNamespace(bad=bytes(data) == b"bad",
+                                                           close=lambda: None),
+        apply, refuse, open_stream=lambda: None, close_stream=lambda: None)
+    learner.start()
+    front = RelayFront(front_end, slots)
+    try:
+        for payload, want in ((b"bad", (grpc.StatusCode.INTERNAL,
+                                        b"ValueError: the step failed")),
+                              (b"good", (grpc.StatusCode.OK, b"ok"))):
+            stream = front.open(unary=True, deadline=None)
+            assert stream.submit(payload)
+            stream.done_sending()
+            assert list(stream.replies()) == [want]
+            stream.close()
+        assert "wording the refusal" in caplog.text and not learner.closed.is_set()
+    finally:
+        front.close()
+        learner.close()
+
+
 def test_slot_pool_refuses_a_write_that_does_not_fit_its_slot():
     """A write past its slot's end, or into a slot the pool lacks, fails and changes
     nothing (it would otherwise spill into the next slot's bytes)."""
@@ -382,7 +416,10 @@ def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
     learner, front = _named_jobs_relay(hook, applied, depth=Depth())
     try:
         stream = front.open(unary=False, deadline=None)
-        assert stream.submit(b"first") and stream.submit(b"slow")
+        assert stream.submit(b"first")
+        answers = stream.replies()
+        assert next(answers) == (grpc.StatusCode.OK, b"first")
+        assert stream.submit(b"slow")
         assert preparing.wait(5)
         stream.close()   # END, while "slow" is being prepared
         for _ in range(100):
@@ -559,10 +596,11 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
     free: queue.SimpleQueue = queue.SimpleQueue()
     for slot in range(AHEAD + 1):
         free.put(slot)
-    jobs = []
+    jobs, alive = [], []
 
     def apply(job, call):
         jobs.append(job.slot)
+        alive.append(AHEAD + 1 - free.qsize())
         time.sleep(0.002)   # the step; it gives its upload back before it answers
         job.close()
         return b"ok"
@@ -577,6 +615,7 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
             assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 25
             stream.close()
         assert len(jobs) == 100 and None not in jobs
+        assert max(alive) == AHEAD + 1   # the next request's copy overlaps each step
     finally:
         front.close()
         learner.close()
