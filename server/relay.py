@@ -634,7 +634,7 @@ class RelayLearner:
         try:
             sock = stream.front.sock
             sent = sock.sendmsg((frame, payload))   # one system call, no joined copy
-            if sent < len(frame) + len(payload):   # the socket's buffer was full
+            if sent < len(frame) + len(payload):   # cut short (a signal, say)
                 sock.sendall(memoryview(frame + payload)[sent:])
         except OSError:
             pass   # the front is gone; the loop sees it too
