@@ -487,8 +487,9 @@ def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
-    """Randomised: 3 fronts × 4 streams submit at once through 32 slots per front, prepare
-    and apply pause now and then, and some streams end midway.  A stream that finishes
+    """Randomised: 3 fronts × 4 streams submit at once through 32 slots per front (the
+    third front attaches while the others stream), prepare and apply pause now and then,
+    and some streams end midway.  A stream that finishes
     gets every answer, in order; one that ends midway has a prefix of its requests
     applied, in order; nothing is applied twice and every request is answered (the depth
     gauge comes back to 0)."""
@@ -520,12 +521,14 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
                            open_stream=lambda: None, close_stream=lambda: None, depth=Depth())
     learner.start()
     fronts = [RelayFront(ends[0][1], pools[0])]
-    for (mine, theirs), pool in list(zip(ends, pools))[1:]:
-        learner.attach(mine, pool)
-        fronts.append(RelayFront(theirs, pool))
+
+    def attach(f: int) -> None:
+        learner.attach(ends[f][0], pools[f])
+        fronts.append(RelayFront(ends[f][1], pools[f]))
+    attach(1)
     plan = random.Random(seed)
     streams = [(f, s, plan.choice([None, plan.randrange(1, 40)]))   # None: all 40 sent
-               for f in range(len(fronts)) for s in range(4)]
+               for f in range(len(ends)) for s in range(4)]
     answers: dict[tuple[int, int], list] = {}
 
     def run(f: int, s: int, end_after: int | None) -> None:
@@ -539,7 +542,10 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
             stream.close()
     threads = [threading.Thread(target=run, args=args) for args in streams]
     try:
-        for thread in threads:
+        for thread in threads[:8]:   # the first two fronts' streams
+            thread.start()
+        attach(2)
+        for thread in threads[8:]:
             thread.start()
         for thread in threads:
             thread.join(10)
