@@ -34,7 +34,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from . import errors
-from .tensors import decode, encode, tensor_fields, tensor_wire, varint
+from .tensors import BFLOAT16, decode, encode, tensor_fields, tensor_wire, varint
 
 FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -159,10 +159,10 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
         raise _bad(name, f"must be [B, H] with B ≥ 1, got shape {list(value.shape)}")
     if like is not None and value.shape != like.shape:
         raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
-    if value.dtype.kind != "f":
+    if value.dtype.kind != "f" and value.dtype != BFLOAT16:
         raise _bad(name, f"must be floating point, got {value.dtype}")
     if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES[wire]:
-        value = value.astype(wire)
+        value = value.astype(wire)   # bfloat16 too, through ml_dtypes (exact to float32)
     return value
 
 

@@ -34,6 +34,7 @@ WIRE_DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 _BY_ENUM = {enum: (name, raw) for name, (enum, raw) in WIRE_DTYPES.items()}
 MAX_NDIM = 8
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: Raw dtype → enum of the wire dtypes an array may already be in (not bfloat16: uint16).
 _ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}
 
@@ -88,8 +89,9 @@ def float16_to_float32(a: np.ndarray) -> np.ndarray:
 def encode(array: np.ndarray, field: str, *, wire: str | None = None) -> pb.Tensor:
     """A numpy array as a Tensor; ``wire`` picks the wire dtype (default: the array's).
 
-    ``wire="bfloat16"`` converts float32/float16 data; otherwise the array's
-    dtype must be one of :data:`WIRE_DTYPES` (or be losslessly the same kind).
+    ``wire="bfloat16"`` sends ``ml_dtypes.bfloat16`` data as it is and converts
+    float32/float16 data; otherwise the array's dtype must be one of
+    :data:`WIRE_DTYPES` (or be losslessly the same kind).
     """
     return pb.Tensor(**tensor_fields(array, field, wire=wire))
 
@@ -120,9 +122,12 @@ def wire_array(array: np.ndarray, field: str, *,
         raise _bad(field, f"has {a.ndim} dimensions, at most {MAX_NDIM}")
     enum, raw = WIRE_DTYPES[name]
     if name == "bfloat16":
-        if a.dtype.kind != "f":
+        if a.dtype == BFLOAT16:   # already bfloat16 (a model's output, say): its bits
+            data = np.ascontiguousarray(a).view(raw)
+        elif a.dtype.kind == "f":
+            data = float32_to_bfloat16_bits(a).astype(raw, copy=False)
+        else:
             raise _bad(field, f"bfloat16 needs floating-point data, got {a.dtype}")
-        data = float32_to_bfloat16_bits(a).astype(raw, copy=False)
     else:
         if a.dtype.name != name:
             raise _bad(field, f"dtype {a.dtype} does not match wire dtype {name}")

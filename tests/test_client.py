@@ -6,6 +6,7 @@ import time
 from dataclasses import replace
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -94,6 +95,20 @@ def test_half_precision_features_arrive_as_their_float32_values(server, local, r
     with LearnerClient(server.target, feature_dtype=wire) as client:
         result = client.train_step(batch)
     expected = local.step(replace(batch, h_t=rounded(batch.h_t), h_tp1=rounded(batch.h_tp1)))
+    assert_same_step(result, expected)
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float32"])
+def test_bfloat16_features_are_taken_as_they_come(server, local, rng, wire):
+    """Features already in bfloat16 (ml_dtypes) go on a bfloat16 wire as they are, and on a
+    float32 wire widened exactly: the step is the one of their float32 values."""
+    batch = random_batch(rng, 8)
+    bf16 = replace(batch, h_t=batch.h_t.astype(ml_dtypes.bfloat16),
+                   h_tp1=batch.h_tp1.astype(ml_dtypes.bfloat16))
+    with LearnerClient(server.target, feature_dtype=wire) as client:
+        result = client.train_step(bf16)
+    expected = local.step(replace(batch, h_t=bf16.h_t.astype(np.float32),
+                                  h_tp1=bf16.h_tp1.astype(np.float32)))
     assert_same_step(result, expected)
 
 

@@ -68,6 +68,21 @@ def test_bfloat16_can_stay_16_bit():
     assert np.array_equal(b.astype(np.float32), decode(tensor, "h"), equal_nan=True)
 
 
+def test_bfloat16_data_goes_on_the_wire_as_it_is():
+    """An ml_dtypes.bfloat16 array (a model's bf16 output) is sent as its own bits, with no
+    round trip through float32: the same bytes as converting its float32 values, for a
+    C-contiguous array and a transposed one, with the wire named or taken from the dtype."""
+    a = np.random.default_rng(3).standard_normal((5, 6)).astype(np.float32)
+    a[0, :3] = np.nan, -0.0, np.inf
+    b = a.astype(ml_dtypes.bfloat16)
+    for array in (b, b.T):
+        for wire in ("bfloat16", None):
+            tensor = encode(array, "h", wire=wire)
+            assert tensor.dtype == pb.DTYPE_BFLOAT16 and list(tensor.shape) == list(array.shape)
+            assert tensor.data == np.ascontiguousarray(array).view(np.uint16).tobytes()
+            assert tensor.data == encode(array.astype(np.float32), "h", wire="bfloat16").data
+
+
 def _tensor(dtype=pb.DTYPE_FLOAT32, shape=(2, 2), data=bytes(16)):
     return pb.Tensor(dtype=dtype, shape=shape, data=data)
 

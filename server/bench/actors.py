@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 import grpc
+import ml_dtypes
 import numpy as np
 
 from duelq.client.client import LearnerClient
@@ -24,8 +25,9 @@ POOL = 4                             # distinct batches each actor cycles throug
 
 
 def make_batch(rng: np.random.Generator, B: int, H: int, N: int, wire: str) -> Batch:
-    """A valid batch; features already float16 for a float16 wire (an actor producing them)."""
-    features = np.float16 if wire == "float16" else np.float32
+    """A valid batch; features already 16-bit for a 16-bit wire (an actor producing them:
+    a float16 or bfloat16 model's output), so no actor converts them per request."""
+    features = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}.get(wire, np.float32)
     return Batch(h_t=rng.standard_normal((B, H), dtype=np.float32).astype(features),
                  h_tp1=rng.standard_normal((B, H), dtype=np.float32).astype(features),
                  actions=rng.integers(0, N, B, dtype=np.int32),
