@@ -119,13 +119,14 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
         raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
     if value.shape != (rows,):
         raise _bad(name, f"shape must be [{rows}], got {list(value.shape)}")
-    if value.dtype.kind not in VECTOR_KINDS[name]:
+    floating = value.dtype.kind == "f" or value.dtype == BFLOAT16
+    if not (value.dtype.kind in VECTOR_KINDS[name] or floating and "f" in VECTOR_KINDS[name]):
         kinds = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
         wanted = " or ".join(dict.fromkeys(kinds[k] for k in VECTOR_KINDS[name]))
         raise _bad(name, f"must be {wanted}, got {value.dtype}")
     if value.dtype in _SENT_AS_IS:
         return value
-    if value.dtype.kind == "f":
+    if floating:
         return value.astype(np.float32)
     if value.dtype.kind in "iu":
         if value.size and (value.min() < np.iinfo(np.int32).min

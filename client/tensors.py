@@ -123,7 +123,7 @@ def wire_array(array: np.ndarray, field: str, *,
     enum, raw = WIRE_DTYPES[name]
     if name == "bfloat16":
         if a.dtype == BFLOAT16:   # already bfloat16 (a model's output, say): its bits
-            data = np.ascontiguousarray(a).view(raw)
+            data = np.ascontiguousarray(a).view(np.uint16).astype(raw, copy=False)
         elif a.dtype.kind == "f":
             data = float32_to_bfloat16_bits(a).astype(raw, copy=False)
         else:

@@ -68,6 +68,8 @@ def test_a_numpy_dtype_names_a_feature_dtype(wire):
     (np.arange(300, dtype=np.int32)[::2], None),   # not contiguous
     (np.array([True, False, True]), None),
     (np.linspace(-3, 3, 200, dtype=np.float32), "bfloat16"),
+    (np.linspace(-3, 3, 200, dtype=np.float32).reshape(20, 10).astype("bfloat16").T,
+     "bfloat16"),                                  # bfloat16 already, not contiguous
 ])
 def test_tensor_wire_parses_to_encode(array, wire):
     parsed = pb.TrainRequest.FromString(b"".join(tensor_wire(2, array, "h_tp1", wire=wire)))
