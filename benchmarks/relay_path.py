@@ -1,7 +1,7 @@
 """The learner process's relay at full speed: several front processes, no gRPC.
 
     python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
-        [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …]
+        [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …] [--parts]
 
 This process plays a ``--front-process`` server's learner process: the service on
 ``--backend`` behind a RelayLearner (its one thread reads every front, prepares, steps and
@@ -19,7 +19,9 @@ sync spins): the rest is the learner's host work per request as the server runs 
 figure issue 5's overhead goal is about.  Set it against
 benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with no
 arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
-them): the service and relay alone.
+them): the service and relay alone.  ``--parts`` also times the relay thread's parts
+(frames read, prepare, step, reply, the answer's bookkeeping) in thread CPU time, by
+wrapping those methods of the RelayLearner, at two clock reads (system calls) each.
 """
 
 from __future__ import annotations
@@ -93,6 +95,29 @@ def _front(args: argparse.Namespace) -> None:
     print(json.dumps({"answers": sum(counts), "late_s": max(0.0, late)}))
 
 
+class _PartClocks:
+    """CPU seconds the relay thread spends in some of a RelayLearner's methods, each
+    wrapped on the instance (its loop calls them through ``self``)."""
+
+    PARTS = ("_read", "_prepare_next", "_answer", "_run", "_reply")
+
+    def __init__(self, relay):
+        self.spent = dict.fromkeys(self.PARTS, 0.0)
+        for name in self.PARTS:
+            setattr(relay, name, self._timed(name, getattr(relay, name)))
+
+    def _timed(self, name: str, method):
+        spent, clock = self.spent, time.thread_time
+
+        def timed(*args):
+            start = clock()
+            try:
+                return method(*args)
+            finally:
+                spent[name] += clock() - start
+        return timed
+
+
 def _learner(args: argparse.Namespace) -> dict:
     """Serve --fronts child fronts from this process; returns the figures."""
     import grpc
@@ -129,6 +154,7 @@ def _learner(args: argparse.Namespace) -> dict:
                              lambda job, call: service.apply_train(job, call).SerializeToString(),
                              refuse, open_stream=service.open_stream,
                              close_stream=service.close_stream)
+        clocks = _PartClocks(relay) if args.parts else None
         relay.start()
         for (mine, _), pool in zip(ends, pools):
             relay.attach(mine, pool)
@@ -149,8 +175,10 @@ def _learner(args: argparse.Namespace) -> dict:
         cpu, wall = time.process_time(), time.perf_counter()
         steps, relay_cpu = learner.step_count, time.clock_gettime(clock)
         waited = getattr(learner.backend, "sync_seconds", 0.0)
+        parts = dict(clocks.spent) if clocks else {}
         time.sleep(args.duration)
         waited = getattr(learner.backend, "sync_seconds", 0.0) - waited
+        parts = {name: clocks.spent[name] - t for name, t in parts.items()}
         relay_cpu = time.clock_gettime(clock) - relay_cpu
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -173,6 +201,7 @@ def _learner(args: argparse.Namespace) -> dict:
     per_step = 1e6 / max(steps, 1)
     return {"steps_per_s": steps / wall, "cpu_us_per_step": cpu * per_step,
             "relay_us_per_step": relay_cpu * per_step, "wait_us_per_step": waited * per_step,
+            "parts_us_per_step": {name: t * per_step for name, t in parts.items()},
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
 
 
@@ -187,6 +216,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds measured")
     parser.add_argument("--host-calls", default="auto", choices=("auto", "native", "python"),
                         help="cuda: a step's driver calls through server/native.c or Python")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the relay thread's parts (a little slower)")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -209,6 +240,18 @@ def main() -> None:
     print(f"| {result['steps_per_s']:.0f} | {result['cpu_us_per_step']:.0f} "
           f"| {result['relay_us_per_step']:.0f} | {result['wait_us_per_step']:.0f} "
           f"| {result['relay_us_per_step'] - result['wait_us_per_step']:.0f} |")
+    parts = result["parts_us_per_step"]
+    if parts:   # the look for frames and the loop are the thread's CPU left over
+        rows = {"frames read": parts["_read"], "prepare": parts["_prepare_next"],
+                "step, response, serialise (with the device wait)": parts["_run"],
+                "reply": parts["_reply"],
+                "the answer's bookkeeping": parts["_answer"] - parts["_run"] - parts["_reply"],
+                "the rest of the thread's CPU (the look for frames, the loop)":
+                    result["relay_us_per_step"] - parts["_read"] - parts["_prepare_next"]
+                    - parts["_answer"]}
+        print("\n| relay thread part | µs/step |\n|---|---|")
+        for name, value in rows.items():
+            print(f"| {name} | {value:.1f} |")
 
 
 if __name__ == "__main__":
