@@ -375,7 +375,7 @@ def test_relay_reads_frames_however_the_socket_splits_them():
         front_end.close()
 
 
-def _named_jobs_relay(prepare_hook, applied: list, **kwargs):
+def _named_jobs_relay(prepare_hook, applied: list, *, slots: int = 4, **kwargs):
     """A started RelayLearner and its RelayFront whose jobs are the requests' bytes:
     ``prepare_hook(name)`` runs in each prepare, ``applied`` collects the steps."""
     def prepare(data, unary, address):
@@ -387,7 +387,7 @@ def _named_jobs_relay(prepare_hook, applied: list, **kwargs):
         applied.append(job.name)
         return job.name.encode()
     learner_end, front_end = socket.socketpair()
-    slots = SlotPool(4, 64)
+    slots = SlotPool(slots, 64)
     learner = RelayLearner(learner_end, slots, prepare, apply,
                            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
                            open_stream=lambda: None, close_stream=lambda: None, **kwargs)
@@ -427,6 +427,35 @@ def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
                 break
             time.sleep(0.02)
         assert Depth.count == 0 and applied == ["first"]
+    finally:
+        front.close()
+        learner.close()
+
+
+def test_relay_an_end_stops_a_prepared_request_with_others_queued_behind_it():
+    """As above, with requests of another stream received behind it, so the relay has more
+    to prepare and need not look for frames every pass: it still reads before stepping a
+    request prepared since its last read, so the END stops that request."""
+    preparing, applied = threading.Event(), []
+
+    def hook(name):
+        if name < "a5":   # the first ones slow, so the rest are received meanwhile
+            time.sleep(0.01)
+        elif name == "slow":
+            preparing.set()
+            time.sleep(0.2)
+    learner, front = _named_jobs_relay(hook, applied, slots=32)
+    try:
+        busy, ending = (front.open(unary=False, deadline=None) for _ in range(2))
+        for name in [f"a{i}" for i in range(5)] + ["slow"] + [f"b{i}" for i in range(10)]:
+            assert (ending if name == "slow" else busy).submit(name.encode())
+        assert preparing.wait(5)
+        assert learner._received   # received, not yet prepared: b0 …
+        ending.close()   # END, while "slow" is being prepared
+        busy.done_sending()
+        assert [payload for _, payload in busy.replies()] == \
+            [f"a{i}".encode() for i in range(5)] + [f"b{i}".encode() for i in range(10)]
+        assert "slow" not in applied
     finally:
         front.close()
         learner.close()
