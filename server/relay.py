@@ -277,19 +277,30 @@ class RelayFront:
 # ── learner side ─────────────────────────────────────────────────────────────────────
 
 
-class RelayCall:
-    """What the service reads of a grpc context, for a relayed request."""
+#: A step that asks whether its call is still active this long after it started has
+#: waited (for the apply lock, say): the relay first reads the frames that came meanwhile.
+LOOK_AFTER_S = 1e-3
 
-    def __init__(self, deadline: float, stream: "_LearnerStream", arrived: float = 0.0):
-        self._deadline, self._stream = deadline, stream
+
+class RelayCall:
+    """What the service reads of a grpc context, for a relayed request; used on the relay's
+    thread, during the request's step."""
+
+    def __init__(self, deadline: float, stream: "_LearnerStream", arrived: float = 0.0,
+                 look: Callable[[], None] = lambda: None):
+        self._deadline, self._stream, self._look = deadline, stream, look
         self.arrived = arrived   # time.perf_counter() when the request reached this process
+        self._started = time.perf_counter()
 
     def time_remaining(self) -> float | None:
         return self._deadline - time.monotonic() if self._deadline else None
 
     def is_active(self) -> bool:
-        """False once the call has ended or its deadline has passed.  It knows of an end as
-        far as the relay has read: its thread reads no frames while it steps."""
+        """False once the call has ended or its deadline has passed.  The relay's thread
+        reads no frames while it steps, so after a wait (LOOK_AFTER_S) this reads the ones
+        that came meanwhile: an END among them ends the call before its step is applied."""
+        if time.perf_counter() - self._started > LOOK_AFTER_S:
+            self._look()
         return not self._stream.ended and (not self._deadline
                                            or time.monotonic() < self._deadline)
 
@@ -382,6 +393,7 @@ class RelayLearner:
         self._received: deque[_Item] = deque()   # not yet prepared
         self._prepared: deque[_Item] = deque()   # prepared, not yet stepped (≤ AHEAD + 1)
         self._closing = False         # the first front has gone: drain, then stop
+        self._selector: selectors.BaseSelector | None = None   # the thread's, once started
         # A byte on this pair wakes the relay's select: a front attached.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
@@ -413,7 +425,7 @@ class RelayLearner:
         once the first front's connection has closed and every request received is
         answered.  Should it fail, the relay ends as when the first front goes: every
         stream ends and each request left is answered."""
-        selector = selectors.DefaultSelector()
+        selector = self._selector = selectors.DefaultSelector()
         selector.register(self._wake_in, selectors.EVENT_READ)
         try:
             self._loop(selector)
@@ -443,15 +455,21 @@ class RelayLearner:
                 return
             # With a request to step, only look (frames are likely there), else wait for a
             # frame or a wake.
-            for key, _ in selector.select(0 if prepared else None):
-                if key.data is None:
-                    self._wake_in.recv(4096)
-                elif self._closing:   # unregistered earlier in this pass
-                    continue
-                elif not self._read(key.data):
-                    self._close_front(selector, key.data)
+            self._look(0 if prepared else None)
             if prepared and (len(prepared) > AHEAD or not received):
                 self._answer(prepared.popleft())
+
+    def _look(self, timeout: float | None = 0) -> None:
+        """Read what the fronts sent (waiting up to ``timeout``; None: until something
+        comes): also from inside a step, through :meth:`RelayCall.is_active`."""
+        selector = self._selector
+        for key, _ in selector.select(timeout):
+            if key.data is None:
+                self._wake_in.recv(4096)
+            elif self._closing:   # unregistered earlier in this look
+                continue
+            elif not self._read(key.data):
+                self._close_front(selector, key.data)
 
     def _join(self, selector: selectors.BaseSelector) -> None:
         """Start reading the fronts attached since the last pass."""
@@ -599,7 +617,7 @@ class RelayLearner:
                                                    b"started; it was not applied")
             if item.error is not None:
                 raise item.error
-            call = RelayCall(item.deadline, stream, item.arrived)
+            call = RelayCall(item.deadline, stream, item.arrived, self._look)
             return grpc.StatusCode.OK, self._apply(item.job, call)
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
             try:

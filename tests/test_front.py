@@ -461,6 +461,45 @@ def test_relay_an_end_stops_a_prepared_request_with_others_queued_behind_it():
         learner.close()
 
 
+def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
+    """A step that waits (for the apply lock, say) and then asks whether its call is still
+    active learns of an END sent meanwhile: the relay reads the frames that came, so the
+    request is refused, not applied; the relay serves on."""
+    waiting, applied = threading.Event(), []
+
+    def apply(job, call):
+        if job.name == "waits":
+            waiting.set()
+            time.sleep(0.1)   # the END comes meanwhile
+        if not call.is_active():
+            raise RuntimeError("the call ended while the request waited; not applied")
+        applied.append(job.name)
+        return job.name.encode()
+    learner_end, front_end = socket.socketpair()
+    slots = SlotPool(4, 64)
+    learner = RelayLearner(
+        learner_end, slots,
+        lambda data, unary, address: types.SimpleNamespace(name=bytes(data).decode(),
+                                                           close=lambda: None),
+        apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc)),
+        open_stream=lambda: None, close_stream=lambda: None)
+    learner.start()
+    front = RelayFront(front_end, slots)
+    try:
+        stream = front.open(unary=False, deadline=None)
+        assert stream.submit(b"waits")
+        assert waiting.wait(5)
+        stream.close()   # END, while the step waits
+        after = front.open(unary=True, deadline=None)
+        assert after.submit(b"after")
+        after.done_sending()
+        assert list(after.replies()) == [(grpc.StatusCode.OK, b"after")]
+        assert applied == ["after"]
+    finally:
+        front.close()
+        learner.close()
+
+
 def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
     applied: list = []
     learner, front = _named_jobs_relay(lambda name: None, applied)
