@@ -300,7 +300,10 @@ class RelayCall:
         reads no frames while it steps, so after a wait (LOOK_AFTER_S) this reads the ones
         that came meanwhile: an END among them ends the call before its step is applied."""
         if time.perf_counter() - self._started > LOOK_AFTER_S:
-            self._look()
+            try:
+                self._look()
+            except Exception:  # noqa: BLE001 — the caller holds the apply lock: never raise
+                log.exception("reading the relay's frames during a step failed")
         return not self._stream.ended and (not self._deadline
                                            or time.monotonic() < self._deadline)
 

@@ -500,6 +500,22 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
         learner.close()
 
 
+def test_relay_call_is_active_never_raises(caplog):
+    """The service asks is_active holding the apply lock, so a failure to read the frames
+    (the relay closed under it, say) is logged, not raised."""
+    from duelq.server.relay import RelayCall, _Front, _LearnerStream
+
+    def look():
+        raise OSError("the relay's sockets are closed (simulated)")
+    slots = SlotPool(1, 64)
+    try:
+        call = RelayCall(0.0, _LearnerStream(_Front(0, None, slots), 1, False), look=look)
+        time.sleep(0.002)   # past LOOK_AFTER_S: it looks
+        assert call.is_active() and "reading the relay's frames" in caplog.text
+    finally:
+        slots.close()
+
+
 def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
     applied: list = []
     learner, front = _named_jobs_relay(lambda name: None, applied)
