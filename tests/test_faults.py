@@ -85,6 +85,9 @@ class Served:
 
     def stop(self, signum: int, timeout: float = 30) -> int:
         self.process.send_signal(signum)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 30) -> int:
         code = self.process.wait(timeout)
         self._reader.join(5)
         return code
@@ -206,12 +209,22 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
     batches = [random_batch(rng, 8) for _ in range(count)]
     answers: list[tuple[int, int, bool, int]] = []
     failures: list[BaseException] = []
+    stopping = threading.Event()
+
+    def paced():   # the last 100 only once the first server drains, and slowly: mid-stream
+        # (while the client waits for the next batch it reads no answers: ≥ 60 − window)
+        for k, batch in enumerate(batches):
+            if k == 60:
+                stopping.wait(30)
+            elif k > 60:
+                time.sleep(0.002)
+            yield batch
 
     def actor() -> None:
         try:
             with CountingClient(f"127.0.0.1:{port}", actor_id="solo", retries=60, backoff=0.05,
                                 max_backoff=0.25) as client:
-                for r in client.train_stream(batches, window=8):
+                for r in client.train_stream(paced(), window=8):
                     answers.append((r.seq, r.step, r.replayed, 2 if client.reconnects else 1))
         except BaseException as exc:  # noqa: BLE001 — reported below
             failures.append(exc)
@@ -222,9 +235,14 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
         first.wait_serving()
         thread = threading.Thread(target=actor)
         thread.start()
-        while len(answers) < 60 and thread.is_alive():
+        while len(answers) < 60 - 8 and thread.is_alive():   # the client waits in paced()
             time.sleep(0.002)
-        assert first.stop(signal.SIGTERM) == 0, first.log
+        first.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "draining" not in first.log and time.monotonic() < deadline:
+            time.sleep(0.002)
+        stopping.set()
+        assert first.wait() == 0, first.log
         assert "SIGTERM received" in first.log and "final checkpoint" in first.log
         stopped = read_latest(directory, SMALL)
         second = Served(port, "--checkpoint-dir", str(directory), *front)
