@@ -205,7 +205,6 @@ def _learner(args: argparse.Namespace) -> dict:
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda", choices=("cuda", "reference", "null"))

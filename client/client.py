@@ -34,7 +34,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from . import errors
-from .tensors import BFLOAT16, decode, encode, tensor_fields, tensor_wire, varint
+from .tensors import decode, encode, floating, tensor_fields, tensor_wire, varint
 
 FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -119,14 +119,14 @@ def _vector(name: str, value, rows: int) -> np.ndarray:
         raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
     if value.shape != (rows,):
         raise _bad(name, f"shape must be [{rows}], got {list(value.shape)}")
-    floating = value.dtype.kind == "f" or value.dtype == BFLOAT16
-    if not (value.dtype.kind in VECTOR_KINDS[name] or floating and "f" in VECTOR_KINDS[name]):
+    real = floating(value.dtype)
+    if not (value.dtype.kind in VECTOR_KINDS[name] or real and "f" in VECTOR_KINDS[name]):
         kinds = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
         wanted = " or ".join(dict.fromkeys(kinds[k] for k in VECTOR_KINDS[name]))
         raise _bad(name, f"must be {wanted}, got {value.dtype}")
     if value.dtype in _SENT_AS_IS:
         return value
-    if floating:
+    if real:
         return value.astype(np.float32)
     if value.dtype.kind in "iu":
         if value.size and (value.min() < np.iinfo(np.int32).min
@@ -160,7 +160,7 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
         raise _bad(name, f"must be [B, H] with B ≥ 1, got shape {list(value.shape)}")
     if like is not None and value.shape != like.shape:
         raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
-    if value.dtype.kind != "f" and value.dtype != BFLOAT16:
+    if not floating(value.dtype):
         raise _bad(name, f"must be floating point, got {value.dtype}")
     if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES[wire]:
         value = value.astype(wire)   # bfloat16 too, through ml_dtypes (exact to float32)

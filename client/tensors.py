@@ -39,6 +39,11 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}
 
 
+def floating(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds floating-point values: numpy's kinds and ml_dtypes' bfloat16."""
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
 _bad = InvalidArgument.of
 
 

@@ -396,10 +396,11 @@ class RelayLearner:
         self._received: deque[_Item] = deque()   # not yet prepared
         self._prepared: deque[_Item] = deque()   # prepared, not yet stepped (≤ AHEAD + 1)
         self._closing = False         # the first front has gone: drain, then stop
-        self._selector: selectors.BaseSelector | None = None   # the thread's, once started
         # A byte on this pair wakes the relay's select: a front attached.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
+        self._selector = selectors.DefaultSelector()   # every front's socket and the wake's
+        self._selector.register(self._wake_in, selectors.EVENT_READ)
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="duelq-relay", daemon=True)
 
@@ -428,20 +429,18 @@ class RelayLearner:
         once the first front's connection has closed and every request received is
         answered.  Should it fail, the relay ends as when the first front goes: every
         stream ends and each request left is answered."""
-        selector = self._selector = selectors.DefaultSelector()
-        selector.register(self._wake_in, selectors.EVENT_READ)
         try:
-            self._loop(selector)
+            self._loop()
         except Exception:  # noqa: BLE001 — logged; the relay ends and answers what it holds
             log.exception("the relay failed: ending every stream")
             self._front_closed(self._fronts[0])
             for item in (*self._prepared, *self._received):   # CANCELLED: their streams ended
                 self._answer(item)
         finally:
-            selector.close()
+            self._selector.close()
             self.closed.set()   # already, unless the relay failed
 
-    def _loop(self, selector: selectors.BaseSelector) -> None:
+    def _loop(self) -> None:
         """:meth:`_serve`'s loop.  Each pass prepares the next request received (while at
         most AHEAD wait behind the next to step), reads the frames that came meanwhile,
         then steps and answers the oldest prepared request once AHEAD are prepared behind
@@ -451,7 +450,7 @@ class RelayLearner:
         prepared, received = self._prepared, self._received
         while True:
             if self._joining:
-                self._join(selector)
+                self._join()
             if received and len(prepared) <= AHEAD:
                 prepared.append(self._prepare_next())
             elif not prepared and self._closing:
@@ -465,16 +464,15 @@ class RelayLearner:
     def _look(self, timeout: float | None = 0) -> None:
         """Read what the fronts sent (waiting up to ``timeout``; None: until something
         comes): also from inside a step, through :meth:`RelayCall.is_active`."""
-        selector = self._selector
-        for key, _ in selector.select(timeout):
+        for key, _ in self._selector.select(timeout):
             if key.data is None:
                 self._wake_in.recv(4096)
             elif self._closing:   # unregistered earlier in this look
                 continue
             elif not self._read(key.data):
-                self._close_front(selector, key.data)
+                self._close_front(key.data)
 
-    def _join(self, selector: selectors.BaseSelector) -> None:
+    def _join(self) -> None:
         """Start reading the fronts attached since the last pass."""
         with self._lock:
             joining, self._joining = self._joining, []
@@ -482,14 +480,14 @@ class RelayLearner:
             try:
                 if self._closing:   # the relay only drains what it has
                     raise ValueError("the relay is closing")
-                selector.register(front.sock, selectors.EVENT_READ, front)
+                self._selector.register(front.sock, selectors.EVENT_READ, front)
             except (OSError, ValueError):   # closed before it was read, or too late
-                self._close_front(selector, front, registered=False)
+                self._close_front(front, registered=False)
 
-    def _close_front(self, selector: selectors.BaseSelector, front: _Front, *,
-                     registered: bool = True) -> None:
+    def _close_front(self, front: _Front, *, registered: bool = True) -> None:
         """Stop reading ``front``, whose connection closed; after the first front, stop
         reading every front (the relay only drains what it has)."""
+        selector = self._selector
         if registered:
             selector.unregister(front.sock)
         self._front_closed(front)

@@ -222,16 +222,24 @@ class _Job:
             raise RuntimeError("a device fault while giving the upload back (simulated)")
 
 
-def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL, **kwargs):
-    """A started RelayLearner and its RelayFront over a socket pair and one slot pool;
-    refusals answered ``code``; ``kwargs``: RelayLearner's (open_stream, depth, …)."""
+def _started_relay(prepare, apply, refuse=lambda exc, unary: (grpc.StatusCode.INTERNAL,
+                                                               str(exc)),
+                   slots: SlotPool | None = None, **kwargs):
+    """A started RelayLearner and its RelayFront over a socket pair and one slot pool
+    (default 4 of 64 bytes); ``kwargs``: RelayLearner's (open_stream, depth, …)."""
     learner_end, front_end = socket.socketpair()
-    slots = SlotPool(32, 4096)
+    slots = slots or SlotPool(4, 64)
     kwargs = {"open_stream": lambda: None, "close_stream": lambda: None, **kwargs}
-    learner = RelayLearner(learner_end, slots, lambda data, unary, address: _Job(data, free),
-                           apply, lambda exc, unary: (code, str(exc)), **kwargs)
+    learner = RelayLearner(learner_end, slots, prepare, apply, refuse, **kwargs)
     learner.start()
     return learner, RelayFront(front_end, slots)
+
+
+def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL, **kwargs):
+    """:func:`_started_relay` whose jobs hold one of ``free``'s slots (:class:`_Job`);
+    refusals answered ``code``."""
+    return _started_relay(lambda data, unary, address: _Job(data, free), apply,
+                          lambda exc, unary: (code, str(exc)), SlotPool(32, 4096), **kwargs)
 
 
 def test_relay_answers_on_after_a_job_fails_to_close():
@@ -270,15 +278,10 @@ def test_relay_answers_a_refusal_it_cannot_word(caplog):
 
     def refuse(exc, unary):
         raise RuntimeError("the refusal's wording failed (simulated)")
-    learner_end, front_end = socket.socketpair()
-    slots = SlotPool(4, 64)
-    learner = RelayLearner(
-        learner_end, slots,
+    learner, front = _started_relay(
         lambda data, unary, address: types.SimpleNamespace(bad=bytes(data) == b"bad",
                                                            close=lambda: None),
-        apply, refuse, open_stream=lambda: None, close_stream=lambda: None)
-    learner.start()
-    front = RelayFront(front_end, slots)
+        apply, refuse)
     try:
         for payload, want in ((b"bad", (grpc.StatusCode.INTERNAL,
                                         b"ValueError: the step failed")),
@@ -386,13 +389,7 @@ def _named_jobs_relay(prepare_hook, applied: list, *, slots: int = 4, **kwargs):
     def apply(job, call):
         applied.append(job.name)
         return job.name.encode()
-    learner_end, front_end = socket.socketpair()
-    slots = SlotPool(slots, 64)
-    learner = RelayLearner(learner_end, slots, prepare, apply,
-                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None, **kwargs)
-    learner.start()
-    return learner, RelayFront(front_end, slots)
+    return _started_relay(prepare, apply, slots=SlotPool(slots, 64), **kwargs)
 
 
 def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
@@ -475,16 +472,10 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
             raise RuntimeError("the call ended while the request waited; not applied")
         applied.append(job.name)
         return job.name.encode()
-    learner_end, front_end = socket.socketpair()
-    slots = SlotPool(4, 64)
-    learner = RelayLearner(
-        learner_end, slots,
+    learner, front = _started_relay(
         lambda data, unary, address: types.SimpleNamespace(name=bytes(data).decode(),
                                                            close=lambda: None),
-        apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc)),
-        open_stream=lambda: None, close_stream=lambda: None)
-    learner.start()
-    front = RelayFront(front_end, slots)
+        apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc)))
     try:
         stream = front.open(unary=False, deadline=None)
         assert stream.submit(b"waits")
