@@ -111,6 +111,11 @@ class StepKernel:
     row_tile: int         # feature rows per shared-memory tile
     fn: cp.RawKernel      # the kernel
     smem: int             # its dynamic shared memory, bytes
+    ptr: int              # its CUfunction (read once: fn.kernel asks for the device each time)
+
+    @classmethod
+    def of(cls, row_tile: int, fn: cp.RawKernel, smem: int) -> "StepKernel":
+        return cls(row_tile, fn, smem, fn.kernel.ptr)
 
 
 @dataclass
@@ -324,17 +329,17 @@ class CudaBackend(Backend):
         n_params, self.stride, _, self._qv_smem, self._qv_tile = layout
         assert n_params == (N + 1) * (H + 1), "kernel and host disagree on the layout"
         self._qv_fn = module.get_function("q_values")
-        steps = [StepKernel(layout[4], module.get_function("learner_step"), layout[2])]
+        steps = [StepKernel.of(layout[4], module.get_function("learner_step"), layout[2])]
         if row_tile is None:
             big, big_layout = build(2 * layout[4])
             if fits(big_layout):
-                steps.append(StepKernel(big_layout[4], big.get_function("learner_step"),
-                                        big_layout[2]))
+                steps.append(StepKernel.of(big_layout[4], big.get_function("learner_step"),
+                                           big_layout[2]))
         self._steps = {0: steps}  # feature kind → learner_step at each row tile
         for kind in sorted(set(FEATURE_KINDS.values()) - {0}):
             self._steps[kind] = [
-                StepKernel(k.row_tile, build(k.row_tile, kind)[0].get_function("learner_step"),
-                           k.smem) for k in steps]
+                StepKernel.of(k.row_tile, build(k.row_tile, kind)[0].get_function("learner_step"),
+                              k.smem) for k in steps]
         entropy = cp.RawModule(code=kernel_source("action_entropy.cu"), options=sizes)
         self._ent_fn = entropy.get_function("action_entropy")
         self._unpack_fn = cp.RawModule(code=kernel_source("unpack_batch.cu")).get_function(
@@ -444,11 +449,16 @@ class CudaBackend(Backend):
         """Whether ``batch`` has a span in page-locked memory that holds its arrays as the
         kernel reads them (features ending on a word, 32-bit vectors, int32 actions)."""
         span = batch.span
-        return (span is not None and batch.h_t.nbytes % 4 == 0
-                and batch.actions.dtype == np.int32
-                and all(a.nbytes == n for a, n in zip(batch.arrays(), span.sizes))
-                and any(lo <= span.address and span.address + span.nbytes <= hi
-                        for lo, hi in self._registered))
+        if span is None:
+            return False
+        start, end = span.address, span.address + span.nbytes
+        for lo, hi in self._registered:
+            if lo <= start and end <= hi:
+                break
+        else:
+            return False
+        return (batch.h_t.nbytes % 4 == 0 and batch.actions.dtype == np.int32
+                and [a.nbytes for a in batch.arrays()] == list(span.sizes))
 
     def _unpack(self, batch: Batch, slot: _Slot) -> None:
         """Copy ``batch``'s span to the device as it is, unpack it into the slot's staging
@@ -465,20 +475,19 @@ class CudaBackend(Backend):
             args.segments = n
             args.src_offset[:n], args.start[:n + 1] = span.offsets, starts
             slot.words = starts[-1]
+            slot.staging.reserve_device(slot.words)
+            args.out = slot.staging.device_ptr
+            slot.call.blocks = max(1, min(-(-slot.words // (4 * THREADS)), 4 * self.max_blocks))
             slot.layout = (span.offsets, span.sizes)
-        slot.staging.reserve_device(slot.words)
-        args.out = slot.staging.device_ptr
-        blocks = max(1, min(-(-slot.words // (4 * THREADS)), 4 * self.max_blocks))
         if self._native is not None:   # the same three calls in C
-            slot.call.blocks = blocks
             status = self._native.upload(slot.call_address, span.address, span.nbytes)
             if status:
                 driver.check_status(status)
             return
         rt, stream = cp.cuda.runtime, self._upload_stream
         rt.memcpyAsync(args.src, span.address, span.nbytes, rt.memcpyHostToDevice, stream.ptr)
-        driver.launchKernel(self._unpack_fn.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
-                            stream.ptr, ctypes.addressof(slot.unpack_params), 0)
+        driver.launchKernel(self._unpack_fn.kernel.ptr, slot.call.blocks, 1, 1, THREADS, 1, 1,
+                            0, stream.ptr, ctypes.addressof(slot.unpack_params), 0)
         slot.copied.record(stream)
 
     def upload(self, batch: Batch) -> Upload | None:
@@ -496,6 +505,7 @@ class CudaBackend(Backend):
                 slot.copied.synchronize()  # its previous copy out of the host buffer is done
                 slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
                 slot.copied.record(self._upload_stream)
+                slot.layout = ()   # the pack may have moved the staging buffer: fill in anew
         except BaseException:
             self._free_uploads.put(slot)
             raise
@@ -523,27 +533,31 @@ class CudaBackend(Backend):
                kind: int = 0) -> None:
         """Enqueue the step kernel for features of ``kind`` on staged ``inputs`` (default:
         the step's own buffer); no copies, no sync."""
-        kernel, G = self._fill_args(batch_size, has_weights, inputs, kind)
-        driver.launchCooperativeKernel(kernel.fn.kernel.ptr, G, 1, 1, THREADS, 1, 1,
-                                       kernel.smem, self.stream.ptr,
-                                       self._arg_param_addresses[self._cur])
+        G, R, tile = self._shape(batch_size)
+        self._fill_args(batch_size, R, has_weights,
+                        self._inputs.device_ptr if inputs is None else inputs.data.ptr)
+        self._launch(self._steps[kind][tile], G)
 
-    def _fill_args(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None,
-                   kind: int) -> tuple[StepKernel, int]:
+    def _launch(self, kernel: StepKernel, G: int) -> None:
+        """Enqueue ``kernel`` on G blocks with the arguments filled in."""
+        driver.launchCooperativeKernel(kernel.ptr, G, 1, 1, THREADS, 1, 1, kernel.smem,
+                                       self.stream.ptr, self._arg_param_addresses[self._cur])
+
+    def _fill_args(self, batch_size: int, rows_per_block: int, has_weights: bool,
+                   inputs_ptr: int) -> None:
         """Fill in the next step's launch arguments (the current state copy's, in place: not
-        thread-safe; the learner's lock serialises steps); returns (the kernel, G)."""
+        thread-safe; the learner's lock serialises steps) for inputs staged at device address
+        ``inputs_ptr``."""
         c = self.config
         t = self._step + 1
-        G, R, tile = self._shape(batch_size)
         args = self._args[self._cur]
-        args.inputs = (self._inputs.device if inputs is None else inputs).data.ptr
-        args.out = self._outputs.device_ptr
+        args.inputs, args.out = inputs_ptr, self._outputs.device_ptr
         args.epoch = self._next_epoch()
-        args.batch, args.rows_per_block, args.has_weights = batch_size, R, has_weights
+        args.batch, args.rows_per_block, args.has_weights = (batch_size, rows_per_block,
+                                                             has_weights)
         args.update_target = t % c.target_update_period == 0
         args.step_size = c.lr / (1 - c.beta1 ** t)   # rounded to float32 by the field
         args.sqrt_bc2 = math.sqrt(1 - c.beta2 ** t)
-        return self._steps[kind][tile], G
 
     def _next_epoch(self) -> int:
         """The next launch's epoch (it also uses epoch − 1 and epoch + 1).
@@ -569,19 +583,19 @@ class CudaBackend(Backend):
 
     def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
         B = batch.size
-        G, _ = self.grid(B)
-        words = 2 * B + 1 + 5 * G
-        self._outputs.reserve(words)
-        slot = upload.slot if isinstance(upload, _Uploaded) else None
+        G, R, tile = self._shape(B)
+        words = 2 * B + 1 + 5 * G   # td_errors, priorities, entropy, [5, G] partials
+        if words > self._outputs.host.size:
+            self._outputs.reserve(words)
+        slot = upload.slot if type(upload) is _Uploaded else None
         if slot is None:
             self.stage(batch)
         try:
-            args = (B, batch.weights is not None, slot.staging.device if slot else None,
-                    FEATURE_KINDS[batch.h_t.dtype])
-            if self._native is not None:
-                totals = self._native_step(args, slot, G, words)
-            else:
-                totals = self._python_step(args, slot, G, words)
+            self._fill_args(B, R, batch.weights is not None,
+                            self._inputs.device_ptr if slot is None else slot.staging.device_ptr)
+            kernel = self._steps[FEATURE_KINDS[batch.h_t.dtype]][tile]
+            step = self._python_step if self._native is None else self._native_step
+            totals = step(kernel, G, slot, B, words)
         finally:
             if upload is not None:   # the stream is synchronized: nothing reads the slot
                 upload.stepped = slot is not None
@@ -598,38 +612,37 @@ class CudaBackend(Backend):
             entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
             inputs_valid=valid == G)
 
-    def _python_step(self, args: tuple, slot: _Slot | None, G: int, words: int
-                     ) -> list[float]:
-        """Launch the step on ``args`` (after ``slot``'s upload), download its ``words`` of
-        outputs and synchronize; returns the block totals: the per-block partials [5, G]
-        (finite flag, slice norm, loss, Q sum, inputs valid) added in block order in
-        float64, the norms squared first (cumsum: one pass, the same sums as Python's left
-        to right).  The flags are 1.0 or 0.0, so they are all 1.0 exactly when they add up
-        to G."""
+    def _python_step(self, kernel: StepKernel, G: int, slot: _Slot | None, B: int,
+                     words: int) -> list[float]:
+        """Launch ``kernel`` on the arguments filled in (after ``slot``'s upload), download
+        its ``words`` of outputs and synchronize; returns the block totals: the per-block
+        partials [5, G] (finite flag, slice norm, loss, Q sum, inputs valid) added in block
+        order in float64, the norms squared first (cumsum: one pass, the same sums as
+        Python's left to right).  The flags are 1.0 or 0.0, so they are all 1.0 exactly
+        when they add up to G."""
         try:
             if slot is not None:
                 self.stream.wait_event(slot.copied)
-            self.launch(*args)
+            self._launch(kernel, G)
             self._outputs.download(words, self.stream)
         finally:
             start = time.perf_counter()
             self.stream.synchronize()
             self.sync_seconds += time.perf_counter() - start
-        parts = self._outputs.host[2 * args[0] + 1:words].reshape(5, G).astype(np.float64)
+        parts = self._outputs.host[2 * B + 1:words].reshape(5, G).astype(np.float64)
         parts[1] *= parts[1]
         return parts.cumsum(axis=1)[:, -1].tolist()
 
-    def _native_step(self, args: tuple, slot: _Slot | None, G: int, words: int
-                     ) -> list[float]:
+    def _native_step(self, kernel: StepKernel, G: int, slot: _Slot | None, B: int,
+                     words: int) -> list[float]:
         """:meth:`_python_step` in one call to server/native.c (the same totals, added in C
         in the same order); the stream is synchronized even when a call fails."""
-        kernel, _ = self._fill_args(*args)
-        call, B = self._step_call, args[0]
-        call.fn, call.blocks, call.smem = kernel.fn.kernel.ptr, G, kernel.smem
+        call, out = self._step_call, self._outputs
+        call.fn, call.blocks, call.smem = kernel.ptr, G, kernel.smem
         call.params = self._arg_param_addresses[self._cur]
         call.wait = slot.copied.ptr if slot is not None else None
-        call.out, call.out_device = self._outputs.host_ptr, self._outputs.device_ptr
-        call.out_bytes, call.parts = 4 * words, self._outputs.host_ptr + 4 * (2 * B + 1)
+        call.out, call.out_device = out.host_ptr, out.device_ptr
+        call.out_bytes, call.parts = 4 * words, out.host_ptr + 4 * (2 * B + 1)
         status = self._native.step(self._step_call_address)
         self.sync_seconds += call.synced_s
         if status:
