@@ -199,7 +199,9 @@ class _Slot:
         self.call = UploadCall(threads=THREADS,
                                params=ctypes.addressof(self.unpack_params))
         self.call_address = ctypes.addressof(self.call)
-        self.layout: tuple = ()      # (offsets, sizes) the argument was filled in for
+        # (offsets, sizes) the unpack's arguments, the words, the blocks and the staging
+        # buffer's size were set for; () after anything that may move that buffer.
+        self.layout: tuple = ()
         self.words = 0               # 32-bit words of the unpacked batch
 
 
@@ -279,7 +281,7 @@ class CudaBackend(Backend):
                               if config.step_entropy_slot else -1)
         self._args = [self._fixed_args(cur) for cur in (0, 1)]
         # The kernel's parameter array for each: launches are serialised and copy their
-        # arguments as they are enqueued, so launch() fills these in place.
+        # arguments as they are enqueued, so _fill_args() fills these in place.
         self._arg_params = [(ctypes.c_void_p * 1)(ctypes.addressof(a)) for a in self._args]
         self._arg_param_addresses = [ctypes.addressof(p) for p in self._arg_params]
         self.sync_seconds = 0.0
@@ -458,6 +460,7 @@ class CudaBackend(Backend):
         else:
             return False
         return (batch.h_t.nbytes % 4 == 0 and batch.actions.dtype == np.int32
+                and len(span.offsets) == len(span.sizes)
                 and [a.nbytes for a in batch.arrays()] == list(span.sizes))
 
     def _unpack(self, batch: Batch, slot: _Slot) -> None:
@@ -470,13 +473,14 @@ class CudaBackend(Backend):
             slot.message = cp.empty(_grown(span.nbytes // 4 + 2), np.uint32)
             args.src = slot.call.message = slot.message.data.ptr
         if slot.layout != (span.offsets, span.sizes):   # else the arguments are as they were
+            slot.layout = ()   # until every argument is filled in (a failure on the way)
             n = len(span.offsets)
             starts = list(itertools.accumulate((size // 4 for size in span.sizes), initial=0))
+            slot.staging.reserve_device(starts[-1])
             args.segments = n
             args.src_offset[:n], args.start[:n + 1] = span.offsets, starts
-            slot.words = starts[-1]
-            slot.staging.reserve_device(slot.words)
             args.out = slot.staging.device_ptr
+            slot.words = starts[-1]
             slot.call.blocks = max(1, min(-(-slot.words // (4 * THREADS)), 4 * self.max_blocks))
             slot.layout = (span.offsets, span.sizes)
         if self._native is not None:   # the same three calls in C
@@ -486,8 +490,8 @@ class CudaBackend(Backend):
             return
         rt, stream = cp.cuda.runtime, self._upload_stream
         rt.memcpyAsync(args.src, span.address, span.nbytes, rt.memcpyHostToDevice, stream.ptr)
-        driver.launchKernel(self._unpack_fn.kernel.ptr, slot.call.blocks, 1, 1, THREADS, 1, 1,
-                            0, stream.ptr, ctypes.addressof(slot.unpack_params), 0)
+        driver.launchKernel(slot.call.unpack, slot.call.blocks, 1, 1, THREADS, 1, 1, 0,
+                            stream.ptr, ctypes.addressof(slot.unpack_params), 0)
         slot.copied.record(stream)
 
     def upload(self, batch: Batch) -> Upload | None:
@@ -502,10 +506,10 @@ class CudaBackend(Backend):
             if self._unpackable(batch):
                 self._unpack(batch, slot)
             else:
+                slot.layout = ()   # the pack may move the staging buffer: unpack fills in anew
                 slot.copied.synchronize()  # its previous copy out of the host buffer is done
                 slot.staging.upload(slot.staging.pack(batch), self._upload_stream)
                 slot.copied.record(self._upload_stream)
-                slot.layout = ()   # the pack may have moved the staging buffer: fill in anew
         except BaseException:
             self._free_uploads.put(slot)
             raise
@@ -513,7 +517,7 @@ class CudaBackend(Backend):
 
     def _fixed_args(self, cur: int) -> StepArgs:
         """The launch arguments that change from step to step only through the current state
-        copy ``cur``; :meth:`launch` fills in the rest."""
+        copy ``cur``; :meth:`_fill_args` fills in the rest."""
         c = self.config
         now, nxt = self._slots[cur], self._slots[1 - cur]
         return StepArgs(
@@ -585,20 +589,21 @@ class CudaBackend(Backend):
         B = batch.size
         G, R, tile = self._shape(B)
         words = 2 * B + 1 + 5 * G   # td_errors, priorities, entropy, [5, G] partials
-        if words > self._outputs.host.size:
-            self._outputs.reserve(words)
+        self._outputs.reserve(words)
         slot = upload.slot if type(upload) is _Uploaded else None
         if slot is None:
             self.stage(batch)
+        stepped = False   # a step waited for the upload (both paths sync, even failing)
         try:
             self._fill_args(B, R, batch.weights is not None,
                             self._inputs.device_ptr if slot is None else slot.staging.device_ptr)
             kernel = self._steps[FEATURE_KINDS[batch.h_t.dtype]][tile]
             step = self._python_step if self._native is None else self._native_step
+            stepped = slot is not None
             totals = step(kernel, G, slot, B, words)
         finally:
-            if upload is not None:   # the stream is synchronized: nothing reads the slot
-                upload.stepped = slot is not None
+            if upload is not None:   # stepped: the stream is synchronized, nothing reads it
+                upload.stepped = stepped
                 upload.close()
         finite, norm2, loss_sum, q_sum, valid = totals
         out = self._outputs.host

@@ -717,6 +717,62 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
 
 
 @pytest.mark.parametrize("native", HOST_PATHS)
+def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
+        native, monkeypatch):
+    """Each upload slot keeps its unpack arguments between requests of one layout.  A request
+    of a new layout whose upload fails part way (the device out of memory as the slot's
+    staging buffer grows) must not leave that slot with half of the new layout's arguments
+    under the old layout's name: the requests of the old layout after it still step exactly
+    as decoded ones."""
+    from duelq.client import encode_batch
+    from duelq.server import cuda
+    from duelq.server.service import LearnerService, Limits, decode_batch
+    from duelq.server.wire import parse_train_request
+    rng = np.random.default_rng(23)
+    config = LearnerConfig(hidden_dim=64, n_actions=5)
+    start = random_state(config, rng, 0)
+    plain = Learner(config, backend=cuda_backend(config, start, native=False))
+    relayed = Learner(config, backend=cuda_backend(config, start, native=native))
+    service = LearnerService(Limits(1 << 26, 1 << 16, 4))
+    service.attach(relayed)
+    pool = np.zeros(4 << 20, np.uint8)
+    relayed.backend.register_host(pool)
+    grow = cuda._Staging.reserve_device
+    fail = []
+
+    def reserve_device(staging, words):
+        if fail and words > staging.device.size:
+            fail.clear()
+            raise RuntimeError("out of device memory (the test's)")
+        return grow(staging, words)
+    monkeypatch.setattr(cuda._Staging, "reserve_device", reserve_device)
+
+    def step(B: int, weights: bool) -> None:
+        data = encode_batch(random_batch(rng, B, config, start, weights)).SerializeToString()
+        pool[1:1 + len(data)] = np.frombuffer(data, np.uint8)
+        with service.relay_prepare(pool.data[1:1 + len(data)], False,
+                                   pool.ctypes.data + 1) as job:
+            got = relayed.step(job.prepared)
+        want = plain.step(decode_batch(parse_train_request(data)))
+        assert got.td_errors.tobytes() == want.td_errors.tobytes()
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+    try:
+        for _ in range(cuda.UPLOAD_SLOTS):   # every slot filled in for 64 rows, no weights
+            step(64, False)
+        bigger = encode_batch(random_batch(rng, 512, config, start, True)).SerializeToString()
+        pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
+        fail.append(True)
+        with pytest.raises(RuntimeError, match="the test's"):
+            service.relay_prepare(pool.data[1:1 + len(bigger)], False, pool.ctypes.data + 1)
+        assert not fail   # the failure came from the slot's staging buffer
+        for _ in range(2 * cuda.UPLOAD_SLOTS):   # the failed slot among them
+            step(64, False)
+        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
+    finally:
+        relayed.backend.unregister_host(pool)
+
+
+@pytest.mark.parametrize("native", HOST_PATHS)
 @pytest.mark.parametrize("registered", [True, False], ids=["unpacked", "packed"])
 def test_a_step_waits_for_its_upload(native, registered):
     """The upload stream held back by a spinning kernel (≈ 0.1 s) while a request is
