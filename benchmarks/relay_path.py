@@ -2,6 +2,7 @@
 
     python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
         [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …] [--parts]
+        [--driver-calls]
 
 This process plays a ``--front-process`` server's learner process: the service on
 ``--backend`` behind a RelayLearner (its one thread reads every front, prepares, steps and
@@ -22,6 +23,8 @@ arithmetic and leaves the values unchecked on the host, as cuda does (its kernel
 them): the service and relay alone.  ``--parts`` also times the relay thread's parts
 (frames read, prepare, step, reply, the answer's bookkeeping) in thread CPU time, by
 wrapping those methods of the RelayLearner, at two clock reads (system calls) each.
+``--driver-calls`` (cuda, host calls in C) builds server/native.c with a clock around each
+driver call and reports each one's wall µs per step (the sync's is the device wait).
 """
 
 from __future__ import annotations
@@ -118,6 +121,17 @@ class _PartClocks:
         return timed
 
 
+def _driver_calls(args: argparse.Namespace) -> dict[str, tuple[float, int]]:
+    """{driver entry point: (seconds, calls)} so far, with --driver-calls; else {}."""
+    if not args.driver_calls:
+        return {}
+    from duelq.server import native
+    times = native.load().call_times()
+    if times is None:
+        raise SystemExit("--driver-calls: the library in use was built without its clocks")
+    return times
+
+
 def _learner(args: argparse.Namespace) -> dict:
     """Serve --fronts child fronts from this process; returns the figures."""
     import grpc
@@ -130,6 +144,9 @@ def _learner(args: argparse.Namespace) -> dict:
     from duelq.server.service import refusal
 
     config = LearnerConfig()
+    if args.driver_calls:
+        from duelq.server import native
+        native.time_calls()   # before the backend loads the library
     server = serve_for_paths(config, args.backend, args.host_calls)
     relay, children, first_end = None, [], None
     try:
@@ -176,8 +193,11 @@ def _learner(args: argparse.Namespace) -> dict:
         steps, relay_cpu = learner.step_count, time.clock_gettime(clock)
         waited = getattr(learner.backend, "sync_seconds", 0.0)
         parts = dict(clocks.spent) if clocks else {}
+        calls = _driver_calls(args)
         time.sleep(args.duration)
         waited = getattr(learner.backend, "sync_seconds", 0.0) - waited
+        calls = {name: (t - calls[name][0], n - calls[name][1])
+                 for name, (t, n) in _driver_calls(args).items()}
         parts = {name: clocks.spent[name] - t for name, t in parts.items()}
         relay_cpu = time.clock_gettime(clock) - relay_cpu
         steps = learner.step_count - steps
@@ -202,6 +222,8 @@ def _learner(args: argparse.Namespace) -> dict:
     return {"steps_per_s": steps / wall, "cpu_us_per_step": cpu * per_step,
             "relay_us_per_step": relay_cpu * per_step, "wait_us_per_step": waited * per_step,
             "parts_us_per_step": {name: t * per_step for name, t in parts.items()},
+            "driver_calls_per_step": {name: (t * per_step, n / max(steps, 1))
+                                      for name, (t, n) in calls.items()},
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
 
 
@@ -217,6 +239,9 @@ def main() -> None:
                         help="cuda: a step's driver calls through server/native.c or Python")
     parser.add_argument("--parts", action="store_true",
                         help="also time the relay thread's parts (a little slower)")
+    parser.add_argument("--driver-calls", action="store_true",
+                        help="cuda: also time each driver call (server/native.c built with "
+                             "clocks)")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -227,6 +252,8 @@ def main() -> None:
         return
     if min(args.fronts, args.streams, args.window, args.batch) < 1 or args.duration <= 0:
         parser.error("--fronts, --streams, --window and --batch must be ≥ 1, --duration > 0")
+    if args.driver_calls and (args.backend != "cuda" or args.host_calls == "python"):
+        parser.error("--driver-calls needs --backend cuda and host calls in C")
     result = _learner(args)
     if not result["answers"]:
         raise SystemExit("no request was answered")
@@ -251,6 +278,13 @@ def main() -> None:
         print("\n| relay thread part | µs/step |\n|---|---|")
         for name, value in rows.items():
             print(f"| {name} | {value:.1f} |")
+    calls = result["driver_calls_per_step"]
+    if calls:
+        print("\n| driver call | calls/step | wall µs/step |\n|---|---|---|")
+        for name, (us, n) in calls.items():
+            print(f"| {name} | {n:.2f} | {us:.2f} |")
+        host = sum(us for name, (us, _) in calls.items() if name != "cuStreamSynchronize")
+        print(f"| all but the sync | | {host:.2f} |")
 
 
 if __name__ == "__main__":

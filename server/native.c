@@ -24,6 +24,48 @@ static CUresult (*event_record)(CUevent, CUstream);
 static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
 static CUresult (*stream_synchronize)(CUstream);
 
+/* The entry points in duelq_init's order: the index of each in duelq_call_times. */
+enum { HTOD, DTOH, LAUNCH, LAUNCH_COOPERATIVE, EVENT_RECORD, STREAM_WAIT_EVENT,
+       STREAM_SYNCHRONIZE, CALLS };
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Built with -DDUELQ_TIME_CALLS (benchmarks/relay_path.py --driver-calls), each driver call's
+ * wall time and count add up per entry point; otherwise TIMED is the call alone. */
+#ifdef DUELQ_TIME_CALLS
+static double call_seconds[CALLS], call_started;
+static unsigned long long call_counts[CALLS];
+
+static CUresult call_done(int which, CUresult r) {
+    call_seconds[which] += seconds() - call_started;
+    ++call_counts[which];
+    return r;
+}
+#define TIMED(which, call) (call_started = seconds(), call_done(which, call))
+#else
+#define TIMED(which, call) (call)
+#endif
+
+/* The summed seconds and counts of each entry point's calls (CALLS of each); returns 1, or
+ * 0 (writing nothing) where the library was built without -DDUELQ_TIME_CALLS. */
+int duelq_call_times(double *seconds_out, unsigned long long *counts_out) {
+#ifdef DUELQ_TIME_CALLS
+    for (int i = 0; i < CALLS; ++i) {
+        seconds_out[i] = call_seconds[i];
+        counts_out[i] = call_counts[i];
+    }
+    return 1;
+#else
+    (void)seconds_out;
+    (void)counts_out;
+    return 0;
+#endif
+}
+
 /* Resolve the driver's entry points; 0 on success, else the 1-based index of the one
  * missing (-1: no libcuda.so.1). */
 int duelq_init(void) {
@@ -57,10 +99,10 @@ struct duelq_upload {
 };
 
 int duelq_upload(const struct duelq_upload *u, const void *src, size_t nbytes) {
-    CUresult r = memcpy_htod(u->message, src, nbytes, u->stream);
-    if (r == 0) r = launch(u->unpack, u->blocks, 1, 1, u->threads, 1, 1, 0, u->stream,
-                           u->params, NULL);
-    if (r == 0) r = event_record(u->copied, u->stream);
+    CUresult r = TIMED(HTOD, memcpy_htod(u->message, src, nbytes, u->stream));
+    if (r == 0) r = TIMED(LAUNCH, launch(u->unpack, u->blocks, 1, 1, u->threads, 1, 1, 0,
+                                         u->stream, u->params, NULL));
+    if (r == 0) r = TIMED(EVENT_RECORD, event_record(u->copied, u->stream));
     return r;
 }
 
@@ -96,19 +138,15 @@ struct duelq_step {
     double synced_s;       /* seconds the sync waited for the device */
 };
 
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 int duelq_step(struct duelq_step *s) {
-    CUresult r = s->wait != NULL ? stream_wait_event(s->stream, s->wait, 0) : 0;
-    if (r == 0) r = launch_cooperative(s->fn, s->blocks, 1, 1, s->threads, 1, 1, s->smem,
-                                       s->stream, s->params);
-    if (r == 0) r = memcpy_dtoh(s->out, s->out_device, s->out_bytes, s->stream);
+    CUresult r = s->wait != NULL ?
+        TIMED(STREAM_WAIT_EVENT, stream_wait_event(s->stream, s->wait, 0)) : 0;
+    if (r == 0) r = TIMED(LAUNCH_COOPERATIVE,
+                          launch_cooperative(s->fn, s->blocks, 1, 1, s->threads, 1, 1,
+                                             s->smem, s->stream, s->params));
+    if (r == 0) r = TIMED(DTOH, memcpy_dtoh(s->out, s->out_device, s->out_bytes, s->stream));
     double start = seconds();
-    CUresult synced = stream_synchronize(s->stream);
+    CUresult synced = TIMED(STREAM_SYNCHRONIZE, stream_synchronize(s->stream));
     s->synced_s = seconds() - start;
     if (r == 0) r = synced;
     if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);

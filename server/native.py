@@ -30,6 +30,19 @@ SOURCE = Path(__file__).with_name("native.c")
 #: The block totals must add exactly as NumPy does: no fused multiply-add, no reassociation
 #: (these come after any flags in $CC, so they win).
 FLAGS = ("-O2", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off")
+#: The driver's entry points native.c calls, in its order (``Native.call_times``' keys).
+DRIVER_CALLS = ("cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuLaunchKernel",
+                "cuLaunchCooperativeKernel", "cuEventRecord", "cuStreamWaitEvent",
+                "cuStreamSynchronize")
+_defines: tuple[str, ...] = ()   # -DDUELQ_TIME_CALLS after time_calls()
+
+
+def time_calls() -> None:
+    """From here on, build and load the library with a clock around every driver call
+    (``Native.call_times``; benchmarks/relay_path.py --driver-calls).  Process-wide; a
+    backend built before keeps the library it has."""
+    global _defines
+    _defines = ("-DDUELQ_TIME_CALLS",)
 
 
 class NativeUnavailable(RuntimeError):
@@ -79,8 +92,9 @@ def build(*, again: bool = False) -> Path:
     flags and machine; later calls find it in :func:`cache_dir`, unless ``again``)."""
     try:
         cc = compiler()
+        flags = FLAGS + _defines
         tag = hashlib.sha256(SOURCE.read_bytes() + repr(
-            (cc, FLAGS, platform.machine())).encode()).hexdigest()[:16]
+            (cc, flags, platform.machine())).encode()).hexdigest()[:16]
         lib = cache_dir() / f"duelq-native-{tag}.so"
     except (OSError, RuntimeError, ValueError) as exc:   # no source, no home, a bad $CC
         raise NativeUnavailable(f"cannot build {SOURCE.name}: {exc}") from exc
@@ -90,7 +104,7 @@ def build(*, again: bool = False) -> Path:
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
-            done = subprocess.run([*cc, *FLAGS, "-o", str(out), str(SOURCE), "-ldl"],
+            done = subprocess.run([*cc, *flags, "-o", str(out), str(SOURCE), "-ldl"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise NativeUnavailable(f"{shlex.join(cc)} failed on {SOURCE.name}: "
@@ -118,6 +132,17 @@ class Native:
         self.step = releases_gil.duelq_step
         self.step.argtypes = (ctypes.c_void_p,)
         self._init = keeps_gil.duelq_init
+        self._call_times = keeps_gil.duelq_call_times
+        self._call_times.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+
+    def call_times(self) -> dict[str, tuple[float, int]] | None:
+        """{entry point: (seconds, calls)} summed over every call so far, where the library
+        was built after :func:`time_calls`; else None."""
+        n = len(DRIVER_CALLS)
+        seconds, counts = (ctypes.c_double * n)(), (ctypes.c_ulonglong * n)()
+        if not self._call_times(seconds, counts):
+            return None
+        return {name: (seconds[i], counts[i]) for i, name in enumerate(DRIVER_CALLS)}
 
     def init_cuda(self) -> None:
         """Resolve the CUDA driver's entry points (libcuda.so.1), once per library."""

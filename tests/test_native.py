@@ -1,11 +1,15 @@
 """server/native.c built and loaded without a GPU: the build, its cache, its failures, and
-the block totals against the NumPy sums they replace (bit for bit).  The driver calls
-themselves are tested on the GPU (tests/test_cuda.py, both host paths)."""
+the block totals against the NumPy sums they replace (bit for bit), and the timed build's
+counts against a stand-in driver.  The driver calls themselves are tested on the GPU
+(tests/test_cuda.py, both host paths)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +137,62 @@ def test_without_libcuda_init_says_so(cache):
             native.load()
     else:
         native.load()   # a machine with a driver: every entry point resolves
+
+
+def test_the_default_build_times_nothing(cache):
+    assert native.load(cuda=False).call_times() is None
+
+
+FAKE_DRIVER = r"""
+#include <time.h>
+static int calls;
+int cuMemcpyHtoDAsync_v2(void) { return 0; }
+int cuMemcpyDtoHAsync_v2(void) { return 0; }
+int cuLaunchKernel(void) { return 0; }
+int cuLaunchCooperativeKernel(void) { return 0; }
+int cuEventRecord(void) { return 0; }
+int cuStreamWaitEvent(void) { return 0; }
+int cuStreamSynchronize(void) {   /* 2 ms, as if the device worked */
+    struct timespec t = {0, 2000000};
+    nanosleep(&t, 0);
+    return ++calls == 2 ? 700 : 0;   /* the second sync fails */
+}
+"""
+
+TIMED_CALLS = """
+import ctypes, sys
+from duelq.server import native
+native.time_calls()
+lib = native.load()
+parts = (ctypes.c_float * 5)(1, 2, 3, 4, 1)        # one block's partials
+upload, step = native.UploadCall(), native.StepCall(blocks=1, parts=ctypes.addressof(parts))
+assert lib.call_times() == {name: (0.0, 0) for name in native.DRIVER_CALLS}
+assert lib.upload(ctypes.addressof(upload), 0, 0) == 0
+step.wait = 1                                   # an upload to wait for
+assert lib.step(ctypes.addressof(step)) == 0
+assert step.totals[:] == [1.0, 4.0, 3.0, 4.0, 1.0]
+step.wait = None                                # staged on the stream: no wait
+assert lib.step(ctypes.addressof(step)) == 700  # the failed sync's status
+times = lib.call_times()
+counts = {name: n for name, (_, n) in times.items()}
+assert counts == {"cuMemcpyHtoDAsync": 1, "cuMemcpyDtoHAsync": 2, "cuLaunchKernel": 1,
+                  "cuLaunchCooperativeKernel": 2, "cuEventRecord": 1,
+                  "cuStreamWaitEvent": 1, "cuStreamSynchronize": 2}, counts
+assert 0.004 <= times["cuStreamSynchronize"][0] < 1.0, times
+assert all(s < 0.004 for name, (s, _) in times.items() if name != "cuStreamSynchronize")
+print("ok")
+"""
+
+
+def test_a_timed_build_counts_and_times_each_driver_call(cache, tmp_path):
+    """native.time_calls()'s build against a stand-in libcuda.so.1 (no GPU here): each entry
+    point's calls are counted and their wall time summed, the sync's 2 ms each included;
+    a step whose sync fails still counts it."""
+    source = tmp_path / "fake_cuda.c"
+    source.write_text(FAKE_DRIVER)
+    subprocess.run([*native.compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"),
+                    str(source)], check=True)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", TIMED_CALLS], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
