@@ -8,6 +8,7 @@ float32 and float64 may legitimately pick different actions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import zlib
@@ -662,6 +663,24 @@ def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike
         assert not direct.backend._registered
 
 
+@contextlib.contextmanager
+def relayed_learners(config: LearnerConfig, start: LearnerState, native: bool, pool_bytes: int):
+    """(plain, relayed, service, pool): two cuda learners from ``start``, the second behind a
+    service, as the front process's learner is, with a page-locked pool of ``pool_bytes``
+    for requests (the first steps decoded batches, to compare with)."""
+    from duelq.server.service import LearnerService, Limits
+    plain = Learner(config, backend=cuda_backend(config, start, native=False))
+    relayed = Learner(config, backend=cuda_backend(config, start, native=native))
+    service = LearnerService(Limits(1 << 26, 1 << 16, 4))
+    service.attach(relayed)
+    pool = np.zeros(pool_bytes, np.uint8)
+    relayed.backend.register_host(pool)
+    try:
+        yield plain, relayed, service, pool
+    finally:
+        relayed.backend.unregister_host(pool)
+
+
 @pytest.mark.parametrize("native", HOST_PATHS)
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
 def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
@@ -671,18 +690,12 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
     slot sees a 7-segment request (weights) followed by a 6-segment one and back, and
     repeats of one layout; every step is bit-identical to a learner fed the decoded batch."""
     from duelq.client import encode_batch
-    from duelq.server.service import LearnerService, Limits, decode_batch
+    from duelq.server.service import decode_batch
     from duelq.server.wire import known_layout, parse_train_request
     rng = np.random.default_rng(22)
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     start = random_state(config, rng, 0)
-    plain = Learner(config, backend=cuda_backend(config, start, native=False))
-    relayed = Learner(config, backend=cuda_backend(config, start, native=native))
-    service = LearnerService(Limits(1 << 26, 1 << 16, 4))
-    service.attach(relayed)
-    pool = np.zeros(8 << 20, np.uint8)
-    relayed.backend.register_host(pool)
-    try:
+    with relayed_learners(config, start, native, 8 << 20) as (plain, relayed, service, pool):
         # (B, weights): 3 upload slots, so slot i % 3 takes request i.
         for i, (B, weights) in enumerate([(1024, True), (1024, False), (64, True)] * 3
                                           + [(1024, False), (1024, True)] * 3):
@@ -712,8 +725,6 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
                                        pool.ctypes.data + 1) as job:
                 relayed.step(job.prepared)
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
-    finally:
-        relayed.backend.unregister_host(pool)
 
 
 @pytest.mark.parametrize("native", HOST_PATHS)
@@ -726,17 +737,11 @@ def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
     as decoded ones."""
     from duelq.client import encode_batch
     from duelq.server import cuda
-    from duelq.server.service import LearnerService, Limits, decode_batch
+    from duelq.server.service import decode_batch
     from duelq.server.wire import parse_train_request
     rng = np.random.default_rng(23)
     config = LearnerConfig(hidden_dim=64, n_actions=5)
     start = random_state(config, rng, 0)
-    plain = Learner(config, backend=cuda_backend(config, start, native=False))
-    relayed = Learner(config, backend=cuda_backend(config, start, native=native))
-    service = LearnerService(Limits(1 << 26, 1 << 16, 4))
-    service.attach(relayed)
-    pool = np.zeros(4 << 20, np.uint8)
-    relayed.backend.register_host(pool)
     grow = cuda._Staging.reserve_device
     fail = []
 
@@ -756,7 +761,7 @@ def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
         want = plain.step(decode_batch(parse_train_request(data)))
         assert got.td_errors.tobytes() == want.td_errors.tobytes()
         assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
-    try:
+    with relayed_learners(config, start, native, 4 << 20) as (plain, relayed, service, pool):
         for _ in range(cuda.UPLOAD_SLOTS):   # every slot filled in for 64 rows, no weights
             step(64, False)
         bigger = encode_batch(random_batch(rng, 512, config, start, True)).SerializeToString()
@@ -768,8 +773,6 @@ def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
         for _ in range(2 * cuda.UPLOAD_SLOTS):   # the failed slot among them
             step(64, False)
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
-    finally:
-        relayed.backend.unregister_host(pool)
 
 
 @pytest.mark.parametrize("native", HOST_PATHS)
