@@ -16,9 +16,9 @@ from __future__ import annotations
 import functools
 import math
 
-import ml_dtypes
 import numpy as np
 
+from duelq.server.batch import BFLOAT16
 from duelq.v1 import learner_pb2 as pb
 
 from .errors import InvalidArgument
@@ -34,7 +34,6 @@ WIRE_DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 _BY_ENUM = {enum: (name, raw) for name, (enum, raw) in WIRE_DTYPES.items()}
 MAX_NDIM = 8
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: Raw dtype → enum of the wire dtypes an array may already be in (not bfloat16: uint16).
 _ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}
 
@@ -210,4 +209,4 @@ def decode(tensor: pb.Tensor, field: str, *, widen: bool = True) -> np.ndarray:
                 from None
     if name != "bfloat16":
         return a
-    return bfloat16_bits_to_float32(a) if widen else a.view(ml_dtypes.bfloat16)
+    return bfloat16_bits_to_float32(a) if widen else a.view(BFLOAT16)

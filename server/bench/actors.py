@@ -11,12 +11,11 @@ import time
 from collections import deque
 
 import grpc
-import ml_dtypes
 import numpy as np
 
 from duelq.client.client import LearnerClient
 
-from ..batch import Batch
+from ..batch import BFLOAT16, Batch
 from .base import ACTOR_TIMEOUT_S, BenchError, cpu_seconds
 from .servers import ECHO_PATH, REPLY_BYTES, tune_malloc
 
@@ -27,7 +26,7 @@ POOL = 4                             # distinct batches each actor cycles throug
 def make_batch(rng: np.random.Generator, B: int, H: int, N: int, wire: str) -> Batch:
     """A valid batch; features already 16-bit for a 16-bit wire (an actor producing them:
     a float16 or bfloat16 model's output), so no actor converts them per request."""
-    features = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}.get(wire, np.float32)
+    features = {"float16": np.float16, "bfloat16": BFLOAT16}.get(wire, np.float32)
     return Batch(h_t=rng.standard_normal((B, H), dtype=np.float32).astype(features),
                  h_tp1=rng.standard_normal((B, H), dtype=np.float32).astype(features),
                  actions=rng.integers(0, N, B, dtype=np.int32),
