@@ -2,13 +2,15 @@
 
     python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
         [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …] [--parts]
-        [--driver-calls]
+        [--driver-calls] [--unpacked]
 
 This process plays a ``--front-process`` server's learner process: the service on
 ``--backend`` behind a RelayLearner (its one thread reads every front, prepares, steps and
 replies), each front's slot pool page-locked on cuda.  Each of ``--fronts`` child processes
 plays a front with the real RelayFront: ``--streams`` TrainStreams that keep ``--window``
-requests in flight, every request with a key of its own (B = ``--batch`` float32).  With
+requests in flight, every request with a key of its own (B = ``--batch`` float32), packed
+into its slot as the server's fronts pack them (server/packing.py; ``--unpacked``: the
+request's bytes as they came, as before round 13).  With
 no gRPC and no actors, what is left is the relay and the learner's own work, under the
 same thread as in the server.  The fronts build each request with one
 copy of its body (``b"".join``): until round 9 they chained ``+``, whose 1 MB temporaries
@@ -51,6 +53,7 @@ def _front(args: argparse.Namespace) -> None:
     from duelq.client.tensors import varint
     from duelq.server.bench.actors import make_batch
     from duelq.server.config import LearnerConfig
+    from duelq.server.packing import Packer
     from duelq.server.relay import RelayFront, SlotPool
     from duelq.v1 import learner_pb2 as pb
 
@@ -60,7 +63,8 @@ def _front(args: argparse.Namespace) -> None:
                                            config.n_actions, "float32"))
               for _ in range(BODIES)]
     front = RelayFront(socket.socket(fileno=args.sock_fd),
-                       SlotPool(SLOTS, args.slot_size, fd=args.pool_fd))
+                       SlotPool(SLOTS, args.slot_size, fd=args.pool_fd),
+                       None if args.unpacked else Packer().pack)
     counts = [0] * args.streams
     end = args.start_at + WARMUP_S + args.duration + 0.2
 
@@ -170,7 +174,8 @@ def _learner(args: argparse.Namespace) -> dict:
         relay = RelayLearner(first, SlotPool(1, 4096), service.relay_prepare,
                              lambda job, call: service.apply_train(job, call).SerializeToString(),
                              refuse, open_stream=service.open_stream,
-                             close_stream=service.close_stream)
+                             close_stream=service.close_stream,
+                             prepare_packed=service.relay_prepare_packed)
         clocks = _PartClocks(relay) if args.parts else None
         relay.start()
         for (mine, _), pool in zip(ends, pools):
@@ -182,7 +187,7 @@ def _learner(args: argparse.Namespace) -> dict:
                  str(theirs.fileno()), "--pool-fd", str(pool.fd), "--slot-size", str(size),
                  "--start-at", str(start_at), "--streams", str(args.streams), "--window",
                  str(args.window), "--batch", str(args.batch), "--duration",
-                 str(args.duration)],
+                 str(args.duration)] + ["--unpacked"] * args.unpacked,
                 pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True))
             theirs.close()
         time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
@@ -242,6 +247,9 @@ def main() -> None:
     parser.add_argument("--driver-calls", action="store_true",
                         help="cuda: also time each driver call (server/native.c built with "
                              "clocks)")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="the fronts send each request's bytes as they came (the learner "
+                             "parses and unpacks them), not packed")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -259,7 +267,8 @@ def main() -> None:
         raise SystemExit("no request was answered")
     calls = f" (host calls: {result['host_calls']})" if result["host_calls"] else ""
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
-          f"{args.streams} streams × window {args.window}, {args.duration:g} s")
+          f"{args.streams} streams × window {args.window}, {args.duration:g} s, requests "
+          f"{'as they came' if args.unpacked else 'packed by the fronts'}")
     print("| steps/s | learner process CPU µs/step | of which the relay thread "
           "| of which the device wait | the relay thread's host work |")
     print("|---|---|---|---|---|")

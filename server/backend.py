@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import Batch
+from .batch import Batch, PackedBatch
 from .config import LearnerConfig
 from .state import LearnerState, Params
 
@@ -52,6 +52,9 @@ class Backend(abc.ABC):
     checks_values = False
     """True: propose checks every input value as it reads it (StepOutputs.inputs_valid), so
     validation on the host checks only dtypes and shapes (``validate_batch(check_values=False)``)."""
+    takes_packed = False
+    """True: upload and propose also take a :class:`PackedBatch` (a front process's, in the
+    packed input layout), whose words they copy as they are."""
     feature_dtypes: tuple[np.dtype, ...] = ()
     """16-bit feature dtypes propose takes as they are (widening them itself); others are
     widened to float32 on the host first."""
@@ -80,7 +83,7 @@ class Backend(abc.ABC):
     def q_values(self, h: np.ndarray, target: bool = False) -> np.ndarray:
         """[B, H] float32 → [B, N] float32 Q-values under θ (or θ⁻)."""
 
-    def upload(self, batch: Batch) -> Upload | None:
+    def upload(self, batch: Batch | PackedBatch) -> Upload | None:
         """Start copying a validated batch to the device before its step (thread-safe; may
         run while another step does). None: nothing to do, or no staging space free now."""
         return None
@@ -90,7 +93,8 @@ class Backend(abc.ABC):
         a device backend may page-lock it and upload from it directly.  Default: nothing."""
 
     @abc.abstractmethod
-    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
+    def propose(self, batch: Batch | PackedBatch, upload: Upload | None = None
+                ) -> StepOutputs:
         """Compute step ``self.step + 1`` on a validated batch (sent ahead by ``upload``
         when given); keep it pending."""
 

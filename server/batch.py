@@ -66,6 +66,49 @@ class Batch:
         return int(np.shape(a)[0]) if np.ndim(a) else 0
 
 
+def packed_layout(rows: int, hidden_dim: int, itemsize: int,
+                  has_weights: bool) -> tuple[tuple[int, ...], int]:
+    """The step kernel's packed input layout: the byte offsets of h_t, h_tp1 (each [B, H] in
+    the features' own dtype, of ``itemsize`` bytes), actions (int32), rewards, dones,
+    discounts and, when present, weights (float32), each [B], in that order with no gaps,
+    and the layout's length in 32-bit words (2·B·H·itemsize is a multiple of 4)."""
+    features = rows * hidden_dim * itemsize
+    vectors = 5 if has_weights else 4
+    offsets = (0, features) + tuple(2 * features + 4 * rows * i for i in range(vectors))
+    return offsets, 2 * features // 4 + vectors * rows
+
+
+@dataclass
+class PackedBatch:
+    """A batch already in the packed input layout (:func:`packed_layout`) in host memory,
+    as a front process writes it into a relay slot (server/packing.py): a device backend
+    that takes it (``Backend.takes_packed``) copies its words as they are, with no unpack.
+
+    Its dtypes and shapes passed the front's checks, all but those against this learner's
+    config (``hidden_dim``, the batch size limit); :meth:`Learner.prepare_packed` makes
+    those.  :meth:`batch` gives the same arrays as a :class:`Batch` of views.
+
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
+
+    size: int               # B
+    hidden_dim: int         # H
+    dtype: np.dtype         # the features' (FEATURE_DTYPES)
+    has_weights: bool
+    words: int              # 32-bit words of the layout
+    data: memoryview        # its bytes (at least 4 · words)
+    address: int | None     # host address of data's first byte, when known
+
+    def batch(self) -> Batch:
+        """The arrays, as views of :attr:`data`."""
+        B, H = self.size, self.hidden_dim
+        offsets, _ = packed_layout(B, H, self.dtype.itemsize, self.has_weights)
+        h_t, h_tp1 = (np.frombuffer(self.data, self.dtype, B * H, at).reshape(B, H)
+                      for at in offsets[:2])
+        actions = np.frombuffer(self.data, np.int32, B, offsets[2])
+        vectors = [np.frombuffer(self.data, np.float32, B, at) for at in offsets[3:]]
+        return Batch(h_t, h_tp1, actions, *vectors)
+
+
 def _array(name: str, value) -> np.ndarray:
     if not isinstance(value, np.ndarray):
         raise InvalidArgument(name, f"must be a numpy array, got {type(value).__name__}")

@@ -36,7 +36,7 @@ from cupy_backends.cuda.api import driver
 
 from ..kernels import source
 from .backend import Backend, StepOutputs, Upload
-from .batch import BFLOAT16, Batch
+from .batch import BFLOAT16, Batch, PackedBatch
 from .config import LearnerConfig
 from .native import Native, NativeUnavailable, StepCall, UploadCall, load as load_native
 from .state import LearnerState, Params
@@ -152,9 +152,11 @@ class _Staging:
             self.device_ptr = self.device.data.ptr
         return self.device
 
-    def upload(self, words: int, stream: cp.cuda.Stream) -> None:
-        cp.cuda.runtime.memcpyAsync(self.device_ptr, self.host_ptr, 4 * words,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+    def upload(self, words: int, stream: cp.cuda.Stream, source: int | None = None) -> None:
+        """Copy ``words`` to the device buffer from the host buffer (or host address
+        ``source``)."""
+        cp.cuda.runtime.memcpyAsync(self.device_ptr, self.host_ptr if source is None else source,
+                                    4 * words, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
     def download(self, words: int, stream: cp.cuda.Stream) -> None:
         cp.cuda.runtime.memcpyAsync(self.host_ptr, self.device_ptr, 4 * words,
@@ -235,6 +237,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     checks_values = True
+    takes_packed = True
     feature_dtypes = (np.dtype(np.float16), BFLOAT16)
 
     def __init__(self, config: LearnerConfig, state: LearnerState, *,
@@ -427,9 +430,14 @@ class CudaBackend(Backend):
             shape = self._shapes[batch_size] = (blocks, -(-batch_size // blocks), tile)
         return shape
 
-    def stage(self, batch: Batch) -> None:
-        """Pack ``batch`` into the step's own pinned input buffer and start its H2D copy."""
-        self._inputs.upload(self._inputs.pack(batch), self.stream)
+    def stage(self, batch: Batch | PackedBatch) -> None:
+        """Pack ``batch`` into the step's own pinned input buffer and start its H2D copy (a
+        packed batch's words are copied from where they lie)."""
+        if type(batch) is PackedBatch:
+            self._inputs.reserve_device(batch.words)
+            self._inputs.upload(batch.words, self.stream, batch.address)
+        else:
+            self._inputs.upload(self._inputs.pack(batch), self.stream)
 
     def register_host(self, region: np.ndarray) -> None:
         """Page-lock ``region`` (cudaHostRegister): a batch whose span (``Batch.span``) lies
@@ -494,7 +502,7 @@ class CudaBackend(Backend):
                             stream.ptr, ctypes.addressof(slot.unpack_params), 0)
         slot.copied.record(stream)
 
-    def upload(self, batch: Batch) -> Upload | None:
+    def upload(self, batch: Batch | PackedBatch) -> Upload | None:
         B, H = batch.size, self.config.hidden_dim
         if 2 * B * H + 5 * B > UPLOAD_MAX_WORDS:
             return None
@@ -503,7 +511,9 @@ class CudaBackend(Backend):
         except queue.Empty:
             return None
         try:
-            if self._unpackable(batch):
+            if type(batch) is PackedBatch:
+                self._copy_packed(batch, slot)
+            elif self._unpackable(batch):
                 self._unpack(batch, slot)
             else:
                 slot.layout = ()   # the pack may move the staging buffer: unpack fills in anew
@@ -514,6 +524,20 @@ class CudaBackend(Backend):
             self._free_uploads.put(slot)
             raise
         return _Uploaded(slot, self._free_uploads)
+
+    def _copy_packed(self, batch: PackedBatch, slot: _Slot) -> None:
+        """Copy a packed batch's words into the slot's staging buffer as they are and record
+        the slot's event after the copy."""
+        slot.layout = ()   # the buffer may move: an unpack fills its arguments in anew
+        slot.staging.reserve_device(batch.words)
+        if self._native is not None:   # the same two calls in C
+            status = self._native.copy(slot.call_address, slot.staging.device_ptr,
+                                       batch.address, 4 * batch.words)
+            if status:
+                driver.check_status(status)
+            return
+        slot.staging.upload(batch.words, self._upload_stream, batch.address)
+        slot.copied.record(self._upload_stream)
 
     def _fixed_args(self, cur: int) -> StepArgs:
         """The launch arguments that change from step to step only through the current state
@@ -585,8 +609,12 @@ class CudaBackend(Backend):
         driver.launchCooperativeKernel(fn.kernel.ptr, blocks, 1, 1, threads, 1, 1, smem,
                                        self.stream.ptr, ctypes.addressof(params))
 
-    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
+    def propose(self, batch: Batch | PackedBatch, upload: Upload | None = None) -> StepOutputs:
         B = batch.size
+        if type(batch) is PackedBatch:
+            kind, has_weights = FEATURE_KINDS[batch.dtype], batch.has_weights
+        else:
+            kind, has_weights = FEATURE_KINDS[batch.h_t.dtype], batch.weights is not None
         G, R, tile = self._shape(B)
         words = 2 * B + 1 + 5 * G   # td_errors, priorities, entropy, [5, G] partials
         self._outputs.reserve(words)
@@ -595,9 +623,9 @@ class CudaBackend(Backend):
             self.stage(batch)
         stepped = False   # a step waited for the upload (both paths sync, even failing)
         try:
-            self._fill_args(B, R, batch.weights is not None,
+            self._fill_args(B, R, has_weights,
                             self._inputs.device_ptr if slot is None else slot.staging.device_ptr)
-            kernel = self._steps[FEATURE_KINDS[batch.h_t.dtype]][tile]
+            kernel = self._steps[kind][tile]
             step = self._python_step if self._native is None else self._native_step
             stepped = slot is not None
             totals = step(kernel, G, slot, B, words)

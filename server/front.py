@@ -5,9 +5,11 @@ own per-message work and the learner's (parse, checks, copy, launch, encode) tak
 turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
 
 * this process (the front) binds the public port and serves health, reflection and
-  the bearer-token check.  TrainStep and TrainStream requests are not parsed here:
-  their bytes go into a shared-memory slot and a frame tells the learner process
-  (server/relay.py).  A stream keeps reading while earlier requests are learned on;
+  the bearer-token check.  TrainStep and TrainStream requests go into a shared-memory
+  slot, their arrays already in the step kernel's input layout where their dtypes and
+  shapes allow (server/packing.py), else their bytes as they came, and a frame tells the
+  learner process (server/relay.py).  A stream keeps reading while earlier requests are
+  learned on;
 * the learner process is an ordinary :class:`LearnerServer` bound to a private
   Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
   the same service code, and every other rpc is forwarded to it as raw bytes.
@@ -52,6 +54,7 @@ from duelq.v1 import learner_pb2 as pb
 from .checkpoint import CheckpointError
 from .config import LearnerConfig
 from .errors import ResourceExhausted
+from .packing import Packer
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
@@ -210,7 +213,7 @@ class FrontServer:
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
-        self._relay = RelayFront(sock, slots)
+        self._relay = RelayFront(sock, slots, Packer().pack)
         self._relay.on_close = self._learner_gone
 
     def _start_fronts(self, ctx) -> None:
@@ -548,6 +551,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
 
     relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
                          open_stream=open_stream, close_stream=close_stream,
+                         prepare_packed=service.relay_prepare_packed,
                          depth=metrics.queue_depth if metrics is not None else None,
                          refused=refused, relayed=relayed)
     relay.start()

@@ -18,7 +18,8 @@ from typing import Iterable
 import numpy as np
 
 from .backend import Backend, Upload
-from .batch import Batch, validate_actions, validate_batch, validate_features
+from .batch import (FEATURE_DTYPES, Batch, PackedBatch, validate_actions, validate_batch,
+                    validate_features)
 from .config import LearnerConfig
 from .errors import InvalidArgument, NonFiniteStep, ResourceExhausted
 from .state import LearnerState, Params
@@ -68,7 +69,7 @@ class Prepared:
     Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
     """
 
-    batch: Batch
+    batch: Batch | PackedBatch
     upload: Upload | None
 
     def __enter__(self) -> "Prepared":
@@ -147,6 +148,19 @@ class Learner:
                                    keep=self.backend.feature_dtypes)
         return Prepared(batch, self.backend.upload(batch))
 
+    def prepare_packed(self, packed: PackedBatch) -> Prepared:
+        """:meth:`prepare` of a batch a front process packed (server/packing.py), whose dtypes
+        and shapes it checked, all but against this learner: a backend that takes packed
+        batches gets it as it is once H and B pass here; otherwise, and to word a refusal,
+        it is prepared as the :class:`Batch` of its arrays."""
+        backend = self.backend
+        if (backend.takes_packed and backend.checks_values
+                and packed.hidden_dim == self.config.hidden_dim
+                and packed.size <= self.max_batch_size
+                and (packed.dtype == FEATURE_DTYPES[0] or packed.dtype in backend.feature_dtypes)):
+            return Prepared(packed, backend.upload(packed))
+        return self.prepare(packed.batch())
+
     def step(self, batch: Batch | Prepared) -> StepResult:
         """Validate ``batch`` (unless prepared), run one step, commit it unless it is
         non-finite."""
@@ -155,7 +169,9 @@ class Learner:
             out = self.backend.propose(prepared.batch, prepared.upload)
             if not out.inputs_valid:  # the backend's check; the host names the culprit
                 self.backend.discard()
-                validate_batch(prepared.batch, self.config, self.max_batch_size)
+                checked = prepared.batch
+                validate_batch(checked.batch() if type(checked) is PackedBatch else checked,
+                               self.config, self.max_batch_size)
                 raise RuntimeError("the backend reported an invalid input value the host "
                                    "does not find")
             if not out.finite:

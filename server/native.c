@@ -106,6 +106,14 @@ int duelq_upload(const struct duelq_upload *u, const void *src, size_t nbytes) {
     return r;
 }
 
+/* A packed batch's words (server/packing.py) to the device as they are, on the upload's
+ * stream, into ``dst``; the upload's event marks the copy's end.  No unpack. */
+int duelq_copy(const struct duelq_upload *u, CUdeviceptr dst, const void *src, size_t nbytes) {
+    CUresult r = TIMED(HTOD, memcpy_htod(dst, src, nbytes, u->stream));
+    if (r == 0) r = TIMED(EVENT_RECORD, event_record(u->copied, u->stream));
+    return r;
+}
+
 /* parts [5][blocks] float32 → totals [5] float64: each row added in block order, row 1
  * (the blocks' slice norms) squared first: the finite flags, ‖g‖², the loss sum, the Q
  * sum, the inputs-valid flags (built with -ffp-contract=off: no fused multiply-adds). */

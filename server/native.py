@@ -126,6 +126,9 @@ class Native:
         releases_gil = ctypes.CDLL(str(path))    # the step waits for the device
         self.upload = keeps_gil.duelq_upload
         self.upload.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        self.copy = keeps_gil.duelq_copy
+        self.copy.argtypes = (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p,
+                              ctypes.c_size_t)
         self.block_totals = keeps_gil.duelq_block_totals
         self.block_totals.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
         self.block_totals.restype = None

@@ -8,6 +8,9 @@ Unix socket pair carries fixed-size frames:
 
     front → learner   OPEN  stream, unary flag
                       REQ   stream, slot (-1: the bytes follow inline), size, deadline
+                      PACKED  stream, slot, size, deadline, then the descriptor (size bytes):
+                            the slot holds the request's arrays, packed by the front
+                            (server/packing.py)
                       END   stream: the rpc is over; requests not started are not applied
                       REFUSED  size, then "method code" (UTF-8): an rpc the front itself
                             refused (token, max_streams), for the learner's metrics
@@ -42,7 +45,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-OPEN, REQ, END, REFUSED = 1, 2, 3, 4
+OPEN, REQ, END, REFUSED, PACKED = 1, 2, 3, 4, 5
 _FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: none)
 _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -70,6 +73,10 @@ class SlotPool:
 
     def slot(self, index: int, n: int) -> memoryview:
         return self.view[index * self.size: index * self.size + n]
+
+    def array(self, index: int) -> np.ndarray:
+        """Slot ``index``'s bytes, uint8."""
+        return self.bytes[index * self.size:(index + 1) * self.size]
 
     def address(self, index: int) -> int:
         """Host address of slot ``index``'s first byte."""
@@ -166,11 +173,17 @@ class FrontStream:
         self._relay.end(self)
 
 
-class RelayFront:
-    """The front process's end: submits requests and routes the learner's replies."""
+#: Writes a request's arrays into a slot (uint8) in the packed layout and returns the
+#: descriptor to send, or None to send the request as it is (server/packing.py's Packer).
+Pack = Callable[[bytes, np.ndarray], "bytes | None"]
 
-    def __init__(self, sock: socket.socket, slots: SlotPool):
-        self._sock, self.slots = sock, slots
+
+class RelayFront:
+    """The front process's end: submits requests (packed by ``pack`` where it can) and
+    routes the learner's replies."""
+
+    def __init__(self, sock: socket.socket, slots: SlotPool, pack: Pack | None = None):
+        self._sock, self.slots, self._pack = sock, slots, pack
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(slots.count):
             self._free.put(i)
@@ -212,7 +225,11 @@ class RelayFront:
         self._free.put(slot)
 
     def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
-        if len(data) <= self.slots.size:
+        if len(data) <= self.slots.size:   # packed, it takes fewer bytes
+            descriptor = self._pack(data, self.slots.array(slot)) if self._pack else None
+            if descriptor is not None:
+                self._send(_FRAME.pack(PACKED, sid, slot, len(descriptor), deadline), descriptor)
+                return
             self.slots.write(slot, data)
             self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
         else:  # larger than a slot: inline (the slot still counts the request in flight)
@@ -332,10 +349,12 @@ class _LearnerStream:
 class _Item:
     """One relayed request on its way through the relay: received, prepared, answered."""
 
-    __slots__ = ("stream", "slot", "data", "deadline", "arrived", "job", "error")
+    __slots__ = ("stream", "slot", "data", "deadline", "packed", "arrived", "job", "error")
 
-    def __init__(self, stream: _LearnerStream, slot: int, data: memoryview, deadline: float):
+    def __init__(self, stream: _LearnerStream, slot: int, data: memoryview, deadline: float,
+                 packed: bytes | None):
         self.stream, self.slot, self.data, self.deadline = stream, slot, data, deadline
+        self.packed = packed   # a packed request's descriptor (data: its slot), else None
         self.arrived = time.perf_counter()
         self.job: Job | None = None
         self.error: Exception | None = None
@@ -354,6 +373,9 @@ class Gauge(Protocol):
 #: Checks a request and starts it towards the device: (request bytes, unary, the bytes'
 #: host address when they lie in the slot pool) → a job; raises to refuse the request.
 Prepare = Callable[[memoryview, bool, "int | None"], Job]
+#: Checks a request that the front packed and starts it towards the device: (descriptor,
+#: the slot's bytes, their host address) → a job; raises to refuse the request.
+PreparePacked = Callable[[bytes, memoryview, int], Job]
 #: Steps a prepared job: (job, call) → response bytes; raises to refuse the request.
 Apply = Callable[[Job, RelayCall], bytes]
 #: Turns an exception into (status code, details), given unary.
@@ -363,6 +385,10 @@ Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
 #: that step.  With the one stepping, within the CUDA backend's upload slots
 #: (cuda.UPLOAD_SLOTS), so no request's batch is packed at its step.
 AHEAD = 1
+
+
+def _no_packed(descriptor: bytes, data: memoryview, address: int) -> Job:
+    raise RuntimeError("a packed request reached a relay that takes none")
 
 
 class RelayLearner:
@@ -380,7 +406,8 @@ class RelayLearner:
 
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
-                 close_stream: Callable[[], None], depth: Gauge | None = None,
+                 close_stream: Callable[[], None], prepare_packed: PreparePacked | None = None,
+                 depth: Gauge | None = None,
                  refused: Callable[[str, str], None] = lambda method, code: None,
                  relayed: Callable[[int], None] = lambda front: None):
         self._fronts = [_Front(0, sock, slots)]
@@ -390,6 +417,7 @@ class RelayLearner:
         self._depth = depth   # counts requests from their arrival to their answer
         self._refused = refused   # (method, code name) of an rpc the front refused
         self._prepare, self._apply, self._refuse = prepare, apply, refuse
+        self._prepare_packed = prepare_packed or _no_packed
         self._open_stream, self._close_stream = open_stream, close_stream
         # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
@@ -511,7 +539,8 @@ class RelayLearner:
         at, size = 0, _FRAME.size
         while len(unread) - at >= size:
             op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
-            inline = op == REFUSED or (op == REQ and slot < 0)   # its bytes follow the frame
+            # its bytes follow the frame
+            inline = op == REFUSED or op == PACKED or (op == REQ and slot < 0)
             end = at + size + (n if inline else 0)
             if len(unread) < end:
                 break
@@ -523,6 +552,9 @@ class RelayLearner:
                 elif op == REQ:
                     self._enqueue(front, sid, slot, front.slots.slot(slot, n) if slot >= 0
                                   else memoryview(payload), deadline)
+                elif op == PACKED:
+                    self._enqueue(front, sid, slot, front.slots.slot(slot, front.slots.size),
+                                  deadline, payload)
                 elif op == END:
                     self._end(front, sid)
                 elif op == REFUSED:
@@ -559,7 +591,7 @@ class RelayLearner:
         self._streams[front.index, sid] = stream
 
     def _enqueue(self, front: _Front, sid: int, slot: int, data: memoryview,
-                 deadline: float) -> None:
+                 deadline: float, packed: bytes | None = None) -> None:
         stream = self._streams.get((front.index, sid))
         if stream is None:   # not open (a front bug): answer, so its slot comes back
             self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
@@ -569,7 +601,7 @@ class RelayLearner:
         if self._depth is not None:
             self._depth.inc()
         stream.outstanding += 1
-        self._received.append(_Item(stream, slot, data, deadline))
+        self._received.append(_Item(stream, slot, data, deadline, packed))
 
     def _end(self, front: _Front, sid: int) -> None:
         stream = self._streams.get((front.index, sid))
@@ -592,7 +624,9 @@ class RelayLearner:
             slots = stream.front.slots
             address = slots.address(item.slot) if item.slot >= 0 else None
             try:
-                item.job = self._prepare(item.data, stream.unary, address)
+                item.job = (self._prepare(item.data, stream.unary, address)
+                            if item.packed is None else
+                            self._prepare_packed(item.packed, item.data, address))
             except Exception as exc:  # noqa: BLE001 — answered in order, at its turn
                 item.error = exc
         return item

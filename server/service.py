@@ -45,6 +45,7 @@ from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhaus
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, Prepared, StepResult
 from .state import LearnerState
+from .packing import read_packed
 from .plans import Plans, RequestPlan
 from .wire import (TENSOR_FIELDS, WireTrainRequest, known_layout, train_request_deserializer,
                    undecodable)
@@ -412,6 +413,18 @@ class LearnerService(pb_grpc.LearnerServicer):
             raise InvalidArgument("request", undecodable("TrainStep" if unary else "TrainStream",
                                                          exc)) from None
         return self.prepare_train(request, address)
+
+    def relay_prepare_packed(self, payload: bytes, data: memoryview,
+                             address: int) -> TrainJob:
+        """:meth:`prepare_train` of a relayed request that a front process packed
+        (server/packing.py): ``payload`` is its descriptor and key, ``data`` the slot that
+        holds its arrays, at host ``address``."""
+        learner = self._plans.learner or self.learner   # NotServing before attach
+        packed, key = read_packed(payload, data, address)
+        key = pb.RequestKey.FromString(key)   # the front parsed it
+        ReplayGuard.check_key(key.actor_id, key.seq)
+        self._refuse_if_draining()
+        return TrainJob(learner, key, learner.prepare_packed(packed))
 
     def open_stream(self) -> None:
         """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""

@@ -728,6 +728,83 @@ def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
 
 
 @pytest.mark.parametrize("native", HOST_PATHS)
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
+    """The front's packed requests (server/packing.py) on cuda: a slot's words go to the
+    device as they are, bit for bit what the host packs (_Staging.pack).  Packed and
+    unpacked requests take turns in the upload slots (an unpack after a packed copy fills
+    its arguments in anew); packed requests beyond the upload slots are staged at their
+    step.  Every step is bit-identical to a learner fed the decoded batch, and a packed
+    batch's bad value is found by the kernel and named by the host."""
+    from duelq.client import encode_batch
+    from duelq.server.cuda import UPLOAD_SLOTS, _Staging
+    from duelq.server.packing import Packer
+    from duelq.server.service import decode_batch
+    from duelq.server.wire import parse_train_request
+    rng = np.random.default_rng(23)
+    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
+    start = random_state(config, rng, 0)
+    packer, size = Packer(), 2 << 20
+    with relayed_learners(config, start, native, 8 * size) as (plain, relayed, service, pool):
+        def prepare(i: int, data: bytes, packed: bool):
+            at = (i % 8) * size
+            if not packed:   # at an odd offset, as the front writes it
+                pool[at + 1:at + 1 + len(data)] = np.frombuffer(data, np.uint8)
+                return service.relay_prepare(pool.data[at + 1:at + 1 + len(data)], False,
+                                             pool.ctypes.data + at + 1)
+            descriptor = packer.pack(data, pool[at:at + size])
+            assert descriptor is not None
+            return service.relay_prepare_packed(descriptor, pool.data[at:at + size],
+                                                pool.ctypes.data + at)
+
+        def want(data: bytes):
+            return plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
+
+        def same(got, wanted, i) -> None:
+            assert (got.loss, got.grad_norm, got.entropy) == (wanted.loss, wanted.grad_norm,
+                                                              wanted.entropy), i
+            assert got.td_errors.tobytes() == wanted.td_errors.tobytes(), i
+
+        for i, (B, weights, packed) in enumerate([(1024, True, True), (1024, False, False),
+                                                  (64, True, True)] * 3
+                                                 + [(1024, True, False), (31, False, True)] * 2):
+            batch = random_batch(rng, B, config, start, weights)
+            data = encode_batch(batch, feature_dtype=wire).SerializeToString()
+            with prepare(i, data, packed) as job:
+                upload = job.prepared.upload
+                assert upload is not None
+                assert (type(job.prepared.batch).__name__ == "PackedBatch") == packed
+                if packed:
+                    upload.slot.copied.synchronize()
+                    host = _Staging()
+                    words = host.pack(decode_batch(parse_train_request(data),
+                                                   keep_16bit=True))
+                    device = upload.slot.staging.device[:words].get()
+                    assert device.tobytes() == host.host[:words].tobytes(), i
+                got = relayed.step(job.prepared)
+            same(got, want(data), i)
+        # More packed requests ahead than upload slots: the last is staged at its step.
+        datas = [encode_batch(random_batch(rng, 512, config, start, True),
+                              feature_dtype=wire).SerializeToString()
+                 for _ in range(UPLOAD_SLOTS + 1)]
+        jobs = [prepare(i, data, True) for i, data in enumerate(datas)]
+        assert [job.prepared.upload is not None for job in jobs] == [True] * UPLOAD_SLOTS + [
+            False]
+        for i, (job, data) in enumerate(zip(jobs, datas)):
+            with job:
+                got = relayed.step(job.prepared)
+            same(got, want(data), i)
+        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
+        bad = random_batch(rng, 1024, config, start, True)
+        bad.rewards[700] = np.nan
+        with pytest.raises(InvalidArgument, match="rewards.*index 700"):
+            with prepare(0, encode_batch(bad, feature_dtype=wire).SerializeToString(),
+                         True) as job:
+                relayed.step(job.prepared)
+        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
+
+
+@pytest.mark.parametrize("native", HOST_PATHS)
 def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
         native, monkeypatch):
     """Each upload slot keeps its unpack arguments between requests of one layout.  A request

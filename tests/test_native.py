@@ -168,6 +168,7 @@ parts = (ctypes.c_float * 5)(1, 2, 3, 4, 1)        # one block's partials
 upload, step = native.UploadCall(), native.StepCall(blocks=1, parts=ctypes.addressof(parts))
 assert lib.call_times() == {name: (0.0, 0) for name in native.DRIVER_CALLS}
 assert lib.upload(ctypes.addressof(upload), 0, 0) == 0
+assert lib.copy(ctypes.addressof(upload), 0, 0, 0) == 0   # a packed batch's: no launch
 step.wait = 1                                   # an upload to wait for
 assert lib.step(ctypes.addressof(step)) == 0
 assert step.totals[:] == [1.0, 4.0, 3.0, 4.0, 1.0]
@@ -175,8 +176,8 @@ step.wait = None                                # staged on the stream: no wait
 assert lib.step(ctypes.addressof(step)) == 700  # the failed sync's status
 times = lib.call_times()
 counts = {name: n for name, (_, n) in times.items()}
-assert counts == {"cuMemcpyHtoDAsync": 1, "cuMemcpyDtoHAsync": 2, "cuLaunchKernel": 1,
-                  "cuLaunchCooperativeKernel": 2, "cuEventRecord": 1,
+assert counts == {"cuMemcpyHtoDAsync": 2, "cuMemcpyDtoHAsync": 2, "cuLaunchKernel": 1,
+                  "cuLaunchCooperativeKernel": 2, "cuEventRecord": 2,
                   "cuStreamWaitEvent": 1, "cuStreamSynchronize": 2}, counts
 assert 0.004 <= times["cuStreamSynchronize"][0] < 1.0, times
 assert all(s < 0.004 for name, (s, _) in times.items() if name != "cuStreamSynchronize")

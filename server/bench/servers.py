@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from ..backend import Backend, StepOutputs, Upload
-from ..batch import BFLOAT16, Batch
+from ..batch import BFLOAT16, Batch, PackedBatch
 from ..config import LearnerConfig
 from ..learner import Learner
 from ..reference import ReferenceBackend
@@ -75,8 +75,8 @@ class NullBackend(ReferenceBackend):
     def step(self) -> int:
         return self._steps
 
-    def propose(self, batch: Batch, upload: Upload | None = None) -> StepOutputs:
-        zeros = np.zeros(batch.h_t.shape[0], np.float32)
+    def propose(self, batch: Batch | PackedBatch, upload: Upload | None = None) -> StepOutputs:
+        zeros = np.zeros(batch.size, np.float32)
         return StepOutputs(loss=0.0, td_errors=zeros, priorities=zeros, q_taken_mean=0.0,
                            grad_norm=0.0, finite=True, entropy=None)
 
@@ -89,10 +89,12 @@ class NullBackend(ReferenceBackend):
 
 class UncheckedNullBackend(NullBackend):
     """A NullBackend that, like cuda, leaves the values to the device (the host checks
-    dtypes and shapes only) and takes 16-bit features as they come: the host path of a
-    cuda step without the device (benchmarks/learner_path.py and relay_path.py)."""
+    dtypes and shapes only), takes 16-bit features as they come and packed batches as they
+    are: the host path of a cuda step without the device (benchmarks/learner_path.py and
+    relay_path.py)."""
 
     checks_values = True
+    takes_packed = True
     feature_dtypes = (np.dtype(np.float16), BFLOAT16)
 
 

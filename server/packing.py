@@ -1,0 +1,142 @@
+"""Train requests packed by the front process, for the learner process to copy as they are.
+
+With ``--front-process`` the learner process's one relay thread is the server's serial
+path: every request's parse, checks, copy, launch and answer run there, one after another
+(server/relay.py).  A front process has spare time, and a request's bytes pass through
+it anyway on their way into a relay slot.  So where it can, the front writes the request's
+arrays into the slot already in the step kernel's packed input layout
+(:func:`duelq.server.batch.packed_layout`) and sends the learner a short descriptor
+instead of the request: the learner skips the framing's match, the arrays' views and the
+unpack kernel, and copies the slot's words to the device in one call
+(:class:`duelq.server.batch.PackedBatch`).
+
+A request is packed when its framing is the canonical one (server/wire.py) and its fields
+have dtypes and shapes that every learner takes as they are: h_t and h_tp1 [B, H] of one
+feature dtype (float32, float16, bfloat16), actions int32 [B], rewards, dones, discounts
+and (optional) weights float32 [B], a key that parses.  Anything else goes as it came, and
+the learner reads it as before, with its checks and its refusals.  The learner checks
+what the front cannot know (H against its config, B against its limit); a packed batch
+that fails them is refused with the words the unpacked request would get.  As the
+learner's request plans do (server/plans.py), the front learns once per wire layout
+whether its requests pack and where their arrays go, so a request of a layout seen before
+costs a framing compare, its arrays' copies and its key's parse.
+
+The descriptor (a PACKED frame's payload): B, H, the features' dtype (an index into
+``FEATURE_DTYPES``) and whether weights follow, then the key's bytes (a RequestKey).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+
+from duelq.client.tensors import decode
+from duelq.v1 import learner_pb2 as pb
+
+from .batch import FEATURE_DTYPES, PackedBatch, packed_layout
+from .wire import TENSOR_FIELDS, known_layout, parse_train_request
+
+DESCRIPTOR = struct.Struct("<IIBB")   # B, H, features' dtype (FEATURE_DTYPES index), weights
+MAX_LAYOUTS = 64                      # as many as wire.py remembers
+_VECTOR = np.dtype(np.float32)
+_ACTIONS = np.dtype(np.int32)
+
+
+def read_packed(payload: bytes, data: memoryview, address: int | None
+                ) -> tuple[PackedBatch, bytes]:
+    """(the packed batch in ``data``, lying at host ``address`` when known; its key's bytes)
+    of a PACKED frame's ``payload``.  ValueError when the descriptor is not one a front
+    writes, or ``data`` is shorter than its layout."""
+    if len(payload) < DESCRIPTOR.size:
+        raise ValueError(f"a packed request's descriptor has {len(payload)} bytes, "
+                         f"not {DESCRIPTOR.size}")
+    rows, hidden, kind, weights = DESCRIPTOR.unpack_from(payload)
+    if kind >= len(FEATURE_DTYPES) or weights > 1 or rows < 1 or hidden < 1:
+        raise ValueError(f"a packed request's descriptor is malformed: B = {rows}, H = "
+                         f"{hidden}, dtype {kind}, weights {weights}")
+    dtype = FEATURE_DTYPES[kind]
+    _, words = packed_layout(rows, hidden, dtype.itemsize, bool(weights))
+    if 4 * words > len(data):
+        raise ValueError(f"a packed request of {4 * words} bytes in {len(data)}")
+    return (PackedBatch(rows, hidden, dtype, bool(weights), words, data, address),
+            payload[DESCRIPTOR.size:])
+
+
+class _Plan:
+    """How the requests of one layout pack: their arrays' copies and descriptor."""
+
+    __slots__ = ("copies", "nbytes", "descriptor", "key")
+
+    def __init__(self, copies: tuple, nbytes: int, descriptor: bytes,
+                 key: tuple[int, int] | None):
+        self.copies = copies            # ((request offset, packed offset, bytes), …)
+        self.nbytes = nbytes            # bytes of the packed layout
+        self.descriptor = descriptor    # DESCRIPTOR's bytes
+        self.key = key                  # (start, stop) of the key's bytes, or None
+
+
+def _plan(data: bytes) -> tuple[object, _Plan | None]:
+    """(the layout of request ``data``, how its requests pack or None when they do not);
+    the layout is None when wire.py keeps none for it."""
+    request = parse_train_request(data)
+    if request is None or request.layout is None:
+        return None, None
+    layout = request.layout
+    present = [name for name in TENSOR_FIELDS if request.HasField(name)]
+    if present not in (list(TENSOR_FIELDS[:6]), list(TENSOR_FIELDS)):
+        return layout, None
+    tensors = [getattr(request, name) for name in present]
+    try:
+        arrays = [decode(t, name, widen=False) for t, name in zip(tensors, present)]
+    except Exception:  # noqa: BLE001 — the learner refuses it, in its words
+        return layout, None
+    h_t, h_tp1, actions = arrays[:3]
+    rows = actions.shape[0] if actions.ndim == 1 else 0
+    if not (h_t.dtype == h_tp1.dtype and h_t.dtype in FEATURE_DTYPES and h_t.ndim == 2
+            and h_t.shape == h_tp1.shape and h_t.shape[0] == rows >= 1 and h_t.shape[1] >= 1
+            and actions.dtype == _ACTIONS
+            and all(a.dtype == _VECTOR and a.shape == (rows,) for a in arrays[3:])):
+        return layout, None
+    has_weights = len(arrays) == 7
+    offsets, words = packed_layout(rows, h_t.shape[1], h_t.dtype.itemsize, has_weights)
+    copies = tuple((t.offset, at, a.nbytes) for t, at, a in zip(tensors, offsets, arrays))
+    descriptor = DESCRIPTOR.pack(rows, h_t.shape[1], FEATURE_DTYPES.index(h_t.dtype),
+                                 has_weights)
+    return layout, _Plan(copies, 4 * words, descriptor, layout.key)
+
+
+class Packer:
+    """A front process's packing of train requests into relay slots (thread-safe)."""
+
+    def __init__(self):
+        self._plans: dict[object, _Plan | None] = {}   # by wire layout
+        self._lock = threading.Lock()
+
+    def pack(self, data: bytes, slot: np.ndarray) -> bytes | None:
+        """Write request ``data``'s arrays into ``slot`` (uint8) in the packed layout and
+        return the descriptor to send; None (``slot`` left as it was) when the request does
+        not pack, or does not fit."""
+        layout = known_layout(data)
+        plan = self._plans.get(layout, False) if layout is not None else False
+        if plan is False:   # a layout not seen here
+            layout, plan = _plan(data)
+            if layout is not None:
+                with self._lock:
+                    if len(self._plans) >= MAX_LAYOUTS:
+                        del self._plans[next(iter(self._plans))]   # the oldest
+                    self._plans[layout] = plan
+        if plan is None or plan.nbytes > slot.size:
+            return None
+        key = b""
+        if plan.key is not None:
+            key = data[plan.key[0]:plan.key[1]]
+            try:
+                pb.RequestKey.FromString(key)
+            except Exception:  # noqa: BLE001 — upb's DecodeError: the learner words it
+                return None
+        source = np.frombuffer(data, np.uint8)
+        for start, at, n in plan.copies:
+            slot[at:at + n] = source[start:start + n]   # the large ones release the GIL
+        return plan.descriptor + key

@@ -1,0 +1,303 @@
+"""Requests packed by the front (server/packing.py): a packed request must give the very
+arrays, key, steps and refusals that the learner's own parse and checks of its bytes give,
+and a request that does not pack must go as it came."""
+
+from __future__ import annotations
+
+import socket
+import types
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from duelq.client.client import encode_batch_wire
+from duelq.client.tensors import encode
+from duelq.server.backend import StepOutputs
+from duelq.server.batch import FEATURE_DTYPES, Batch, PackedBatch, packed_layout, validate_batch
+from duelq.server.errors import InvalidArgument, ResourceExhausted
+from duelq.server.learner import Learner
+from duelq.server.packing import DESCRIPTOR, Packer, read_packed
+from duelq.server.reference import ReferenceBackend
+from duelq.server.relay import RelayFront, RelayLearner, SlotPool
+from duelq.server.service import LearnerService, Limits, decode_batch, refusal
+from duelq.server.wire import parse_train_request
+from duelq.v1 import learner_pb2 as pb
+
+from conftest import SMALL, random_batch
+
+LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=64, max_streams=4)
+WIRES = ("float32", "float16", "bfloat16")
+
+
+def test_packed_layout_of_hand_counted_batches():
+    # B = 2, H = 3, float32, no weights: 24-byte feature blocks, then four [2] vectors.
+    assert packed_layout(2, 3, 4, False) == ((0, 24, 48, 56, 64, 72), 20)
+    # 16-bit features: 12-byte blocks; weights add a fifth vector.
+    assert packed_layout(2, 3, 2, True) == ((0, 12, 24, 32, 40, 48, 56), 16)
+    # B·H odd with 16-bit features: the two blocks still end on a word.
+    assert packed_layout(1, 3, 2, False) == ((0, 6, 12, 16, 20, 24), 7)
+
+
+def _slot(size: int = 1 << 16) -> np.ndarray:
+    return np.full(size, 0xEE, np.uint8)
+
+
+def _packed(data: bytes, slot: np.ndarray | None = None) -> tuple[PackedBatch, bytes]:
+    slot = _slot() if slot is None else slot
+    descriptor = Packer().pack(data, slot)
+    assert descriptor is not None
+    return read_packed(descriptor, memoryview(slot), slot.ctypes.data)
+
+
+def _same_arrays(packed: Batch, decoded: Batch) -> None:
+    assert (packed.weights is None) == (decoded.weights is None)
+    for a, b in zip(packed.arrays(), decoded.arrays()):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 48),
+       wire=st.sampled_from(WIRES), weights=st.booleans(), keyed=st.booleans())
+def test_a_packed_request_holds_the_arrays_and_key_the_learner_decodes(seed, rows, wire,
+                                                                        weights, keyed):
+    rng = np.random.default_rng(seed)
+    batch = random_batch(rng, rows, weights=weights)
+    data = encode_batch_wire(batch, feature_dtype=wire, actor_id="a" * keyed, seq=7 * keyed)
+    packed, key = _packed(data)
+    request = parse_train_request(data)
+    decoded = decode_batch(request, keep_16bit=True)
+    assert (packed.size, packed.hidden_dim, packed.has_weights) == (rows, SMALL.hidden_dim,
+                                                                     weights)
+    assert packed.dtype == decoded.h_t.dtype
+    _same_arrays(packed.batch(), decoded)
+    assert pb.RequestKey.FromString(key) == request.key
+
+
+def test_requests_of_a_layout_seen_before_pack_their_own_values():
+    rng = np.random.default_rng(1)
+    packer, slot = Packer(), _slot()
+    for seq in range(1, 4):   # one layout (the key's seq keeps its length)
+        batch = random_batch(rng, 8)
+        data = encode_batch_wire(batch, actor_id="actor", seq=seq)
+        descriptor = packer.pack(data, slot)
+        packed, key = read_packed(descriptor, memoryview(slot), slot.ctypes.data)
+        _same_arrays(packed.batch(), batch)
+        assert pb.RequestKey.FromString(key) == pb.RequestKey(actor_id="actor", seq=seq)
+
+
+def _request(batch: Batch, **overrides) -> bytes:
+    """A TrainRequest of ``batch``'s arrays as they are (any dtype), fields replaced by
+    ``overrides`` (None: left out)."""
+    fields = {name: a for name, a in zip(("h_t", "h_tp1", "actions", "rewards", "dones",
+                                          "discounts", "weights"), batch.arrays())}
+    fields.update(overrides)
+    return pb.TrainRequest(**{name: encode(a, name) for name, a in fields.items()
+                              if a is not None}).SerializeToString()
+
+
+@pytest.mark.parametrize("why, overrides", [
+    ("uint8 actions", {"actions": np.arange(4, dtype=np.uint8)}),
+    ("float16 rewards", {"rewards": np.zeros(4, np.float16)}),
+    ("bool dones", {"dones": np.zeros(4, bool)}),
+    ("uint8 features", {"h_t": np.zeros((4, 16), np.uint8),
+                        "h_tp1": np.zeros((4, 16), np.uint8)}),
+    ("mixed feature dtypes", {"h_tp1": np.zeros((4, 16), np.float16)}),
+    ("1-D features", {"h_t": np.zeros(64, np.float32)}),
+    ("a vector of another length", {"discounts": np.ones(5, np.float32)}),
+    ("features of other rows", {"h_tp1": np.zeros((5, 16), np.float32)}),
+    ("no discounts", {"discounts": None, "weights": None}),
+    ("no rows", {name: a[:0] for name, a in zip(
+        ("h_t", "h_tp1", "actions", "rewards", "dones", "discounts"),
+        random_batch(np.random.default_rng(0), 4).arrays())}),
+])
+def test_a_request_the_learner_would_convert_or_refuse_is_not_packed(why, overrides):
+    batch = random_batch(np.random.default_rng(2), 4)
+    slot = _slot()
+    assert Packer().pack(_request(batch, **overrides), slot) is None, why
+    assert (slot == 0xEE).all()   # left as it was
+
+
+def test_non_canonical_bytes_a_bad_key_and_a_small_slot_are_not_packed():
+    batch = random_batch(np.random.default_rng(3), 4)
+    data = encode_batch_wire(batch, actor_id="a", seq=1)
+    packer = Packer()
+    assert packer.pack(data[:-3] + b"\x42\x01\xff", _slot()) is None   # key: a cut varint
+    assert packer.pack(b"\x08\x01" + data, _slot()) is None            # a varint field first
+    _, words = packed_layout(4, 16, 4, True)
+    assert packer.pack(data, _slot(4 * words - 1)) is None
+    assert packer.pack(data, _slot(4 * words)) is not None
+
+
+def test_read_packed_refuses_descriptors_no_front_writes():
+    data = memoryview(bytearray(1024))
+    with pytest.raises(ValueError, match="has 3 bytes"):
+        read_packed(b"abc", data, 0)
+    with pytest.raises(ValueError, match="malformed"):
+        read_packed(DESCRIPTOR.pack(4, 16, len(FEATURE_DTYPES), 0), data, 0)
+    with pytest.raises(ValueError, match="malformed"):
+        read_packed(DESCRIPTOR.pack(0, 16, 0, 0), data, 0)
+    with pytest.raises(ValueError, match="of 576 bytes in 100"):   # 4·(2·4·16 + 4·4)
+        read_packed(DESCRIPTOR.pack(4, 16, 0, 0), data[:100], 0)
+
+
+class PackedReference(ReferenceBackend):
+    """The reference step behind cuda's contract for packed batches: it takes them as they
+    are (recording them) and checks their values itself, as the step kernel does."""
+
+    takes_packed = True
+    checks_values = True
+    feature_dtypes = FEATURE_DTYPES[1:]   # 16-bit features as they are, as cuda takes them
+
+    def __init__(self, config, state):
+        super().__init__(config, state)
+        self.uploaded: list = []
+
+    def upload(self, batch):
+        self.uploaded.append(batch)
+        return None
+
+    def propose(self, batch, upload=None):
+        arrays = batch.batch() if isinstance(batch, PackedBatch) else batch
+        try:
+            validate_batch(arrays, self.config, 1 << 30)
+        except (InvalidArgument, ResourceExhausted):   # as the kernel reports it
+            empty = np.zeros(0, np.float32)
+            return StepOutputs(0.0, empty, empty, 0.0, 0.0, True, None, inputs_valid=False)
+        return super().propose(arrays, upload)
+
+
+def _service(backend: str | type = "reference") -> LearnerService:
+    service = LearnerService(LIMITS)
+    learner = Learner(SMALL, backend="reference", max_batch_size=LIMITS.max_batch_size)
+    if backend is PackedReference:
+        learner = Learner(SMALL, backend=PackedReference(SMALL, learner.snapshot()),
+                          max_batch_size=LIMITS.max_batch_size)
+    service.attach(learner)
+    return service
+
+
+def _both(service: LearnerService, data: bytes) -> tuple:
+    """(the step's response or refusal through relay_prepare_packed, through relay_prepare)
+    on two services over learners in the same state."""
+    slot = _slot()
+    descriptor = Packer().pack(data, slot)
+    assert descriptor is not None
+    twin = _service(type(service.learner.backend) if isinstance(service.learner.backend,
+                                                                  PackedReference)
+                    else "reference")
+    twin.learner.load(service.learner.snapshot())
+
+    def answer(prepare):
+        try:
+            with prepare() as job:
+                return service_of[0].apply_train(job, None)
+        except Exception as exc:  # noqa: BLE001 — compared as the client would see it
+            return refusal(exc, "TrainStream", "test")
+    service_of = [service]
+    packed = answer(lambda: service.relay_prepare_packed(descriptor, memoryview(slot),
+                                                         slot.ctypes.data))
+    service_of = [twin]
+    unpacked = answer(lambda: twin.relay_prepare(memoryview(data), False, None))
+    return packed, unpacked
+
+
+@pytest.mark.parametrize("backend", ["reference", PackedReference])
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_packed_request_steps_and_is_answered_as_its_bytes_are(backend, wire):
+    service = _service(backend)
+    rng = np.random.default_rng(4)
+    for seq in (1, 2):
+        data = encode_batch_wire(random_batch(rng, 16), feature_dtype=wire, actor_id="a",
+                                 seq=seq)
+        packed, unpacked = _both(service, data)
+        assert isinstance(packed, pb.TrainResponse) and packed == unpacked
+    if backend is PackedReference:
+        assert all(isinstance(b, PackedBatch) for b in service.learner.backend.uploaded)
+
+
+def _bad_values(batch: Batch) -> Batch:
+    batch.rewards[3] = np.nan
+    return batch
+
+
+@pytest.mark.parametrize("backend", ["reference", PackedReference])
+@pytest.mark.parametrize("why, config_rows, make", [
+    ("H other than the learner's", 4, lambda rng: Batch(
+        *(np.zeros((4, 8), np.float32),) * 2, *random_batch(rng, 4).arrays()[2:])),
+    ("B over the limit", 65, lambda rng: random_batch(rng, 65)),
+    ("a reward that is NaN", 4, lambda rng: _bad_values(random_batch(rng, 4))),
+    ("an action out of range", 4, lambda rng: Batch(
+        *random_batch(rng, 4).arrays()[:2], np.array([0, 1, 9, 2], np.int32),
+        *random_batch(rng, 4).arrays()[3:])),
+])
+def test_a_packed_request_is_refused_in_the_words_its_bytes_get(backend, why, config_rows,
+                                                                make):
+    service = _service(backend)
+    batch = make(np.random.default_rng(5))
+    data = encode_batch_wire(batch, actor_id="a", seq=1)
+    packed, unpacked = _both(service, data)
+    assert isinstance(packed, tuple) and packed == unpacked, why
+    assert service.learner.step_count == 0
+
+
+def test_a_packed_request_with_a_bad_key_is_refused_as_its_bytes_are():
+    batch = random_batch(np.random.default_rng(6), 4)
+    packed, unpacked = _both(_service(), encode_batch_wire(batch, actor_id="a", seq=0))
+    assert packed == unpacked and packed[1].startswith("key.seq")
+
+
+def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
+    """Through a RelayFront that packs: a request that packs reaches prepare_packed with its
+    arrays in its slot; one that does not (uint8 actions), and one larger than a slot (sent
+    inline), reach prepare as their bytes.  A relay that takes no packed requests refuses
+    them (INTERNAL), answering each."""
+    rng = np.random.default_rng(7)
+    small, big = random_batch(rng, 4), random_batch(rng, 40)
+    requests = [encode_batch_wire(small, actor_id="a", seq=1),
+                _request(small, actions=small.actions.astype(np.uint8)),
+                encode_batch_wire(big, actor_id="a", seq=2)]
+    seen: list = []
+
+    def prepare(data, unary, address):
+        seen.append(("bytes", bytes(data)))
+        return types.SimpleNamespace(close=lambda: None)
+
+    def prepare_packed(descriptor, data, address):
+        packed, key = read_packed(descriptor, data, address)
+        seen.append(("packed", packed.batch(), pb.RequestKey.FromString(key)))
+        return types.SimpleNamespace(close=lambda: None)
+
+    for takes_packed in (True, False):
+        seen.clear()
+        learner_end, front_end = socket.socketpair()
+        slots = SlotPool(4, 2048)   # B = 40 (≈ 5.8 kB) goes inline
+        learner = RelayLearner(
+            learner_end, slots, prepare, lambda job, call: b"ok",
+            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+            open_stream=lambda: None, close_stream=lambda: None,
+            prepare_packed=prepare_packed if takes_packed else None)
+        learner.start()
+        front = RelayFront(front_end, slots, Packer().pack)
+        try:
+            stream = front.open(unary=False, deadline=None)
+            for data in requests:
+                assert stream.submit(data)
+            stream.done_sending()
+            answers = list(stream.replies())
+            stream.close()
+        finally:
+            front.close()
+            learner.close()
+        if takes_packed:
+            assert answers == [(grpc.StatusCode.OK, b"ok")] * 3
+            assert [s[0] for s in seen] == ["packed", "bytes", "bytes"]
+            _same_arrays(seen[0][1], small)
+            assert seen[0][2] == pb.RequestKey(actor_id="a", seq=1)
+            assert seen[1][1] == requests[1] and seen[2][1] == requests[2]
+        else:   # refused at the first: the stream's later requests are not applied
+            assert answers == [(grpc.StatusCode.INTERNAL,
+                                b"a packed request reached a relay that takes none")] * 3
