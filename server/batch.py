@@ -96,7 +96,7 @@ class PackedBatch:
     has_weights: bool
     words: int              # 32-bit words of the layout
     data: memoryview        # its bytes (at least 4 · words)
-    address: int | None     # host address of data's first byte, when known
+    address: int            # host address of data's first byte
 
     def batch(self) -> Batch:
         """The arrays, as views of :attr:`data`."""

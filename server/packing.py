@@ -27,6 +27,7 @@ The descriptor (a PACKED frame's payload): B, H, the features' dtype (an index i
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 
@@ -44,24 +45,32 @@ _VECTOR = np.dtype(np.float32)
 _ACTIONS = np.dtype(np.int32)
 
 
-def read_packed(payload: bytes, data: memoryview, address: int | None
+def read_packed(payload: bytes, data: memoryview, address: int
                 ) -> tuple[PackedBatch, bytes]:
-    """(the packed batch in ``data``, lying at host ``address`` when known; its key's bytes)
-    of a PACKED frame's ``payload``.  ValueError when the descriptor is not one a front
-    writes, or ``data`` is shorter than its layout."""
+    """(the packed batch in ``data``, lying at host ``address``; its key's bytes) of a
+    PACKED frame's ``payload``.  ValueError when the descriptor is not one a front writes,
+    or ``data`` is shorter than its layout."""
     if len(payload) < DESCRIPTOR.size:
         raise ValueError(f"a packed request's descriptor has {len(payload)} bytes, "
                          f"not {DESCRIPTOR.size}")
-    rows, hidden, kind, weights = DESCRIPTOR.unpack_from(payload)
+    rows, hidden, dtype, weights, words = _described(payload[:DESCRIPTOR.size])
+    if 4 * words > len(data):
+        raise ValueError(f"a packed request of {4 * words} bytes in {len(data)}")
+    return (PackedBatch(rows, hidden, dtype, weights, words, data, address),
+            payload[DESCRIPTOR.size:])
+
+
+@functools.lru_cache(maxsize=MAX_LAYOUTS)
+def _described(descriptor: bytes) -> tuple[int, int, np.dtype, bool, int]:
+    """(B, H, the features' dtype, weights, words) of a descriptor; worked out once for
+    each of the few that an actor's requests repeat."""
+    rows, hidden, kind, weights = DESCRIPTOR.unpack(descriptor)
     if kind >= len(FEATURE_DTYPES) or weights > 1 or rows < 1 or hidden < 1:
         raise ValueError(f"a packed request's descriptor is malformed: B = {rows}, H = "
                          f"{hidden}, dtype {kind}, weights {weights}")
     dtype = FEATURE_DTYPES[kind]
     _, words = packed_layout(rows, hidden, dtype.itemsize, bool(weights))
-    if 4 * words > len(data):
-        raise ValueError(f"a packed request of {4 * words} bytes in {len(data)}")
-    return (PackedBatch(rows, hidden, dtype, bool(weights), words, data, address),
-            payload[DESCRIPTOR.size:])
+    return rows, hidden, dtype, bool(weights), words
 
 
 class _Plan:

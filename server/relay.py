@@ -32,7 +32,7 @@ import logging
 import mmap
 import os
 import queue
-import selectors
+import select
 import socket
 import struct
 import threading
@@ -393,7 +393,7 @@ def _no_packed(descriptor: bytes, data: memoryview, address: int) -> Job:
 
 class RelayLearner:
     """The learner process's end: one thread takes every request in arrival order.  It
-    reads every front's frames (one selector), checks the next request and starts its copy
+    reads every front's frames (one epoll), checks the next request and starts its copy
     to the device, then steps the one before and replies, so each request's copy overlaps
     the step before it.  One thread, not one per stream or per front nor a reader handing
     over to a stepper: a request crosses no thread hand-over, and no second busy thread
@@ -427,8 +427,11 @@ class RelayLearner:
         # A byte on this pair wakes the relay's select: a front attached.
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
-        self._selector = selectors.DefaultSelector()   # every front's socket and the wake's
-        self._selector.register(self._wake_in, selectors.EVENT_READ)
+        # Every front's socket and the wake's, by descriptor (the wake's: None).  epoll itself,
+        # not selectors' wrapper of it: ≈ 0.5 µs less a look, one look a request.
+        self._poll = select.epoll()
+        self._polled: dict[int, _Front | None] = {}
+        self._watch(self._wake_in, None)
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="duelq-relay", daemon=True)
 
@@ -465,7 +468,7 @@ class RelayLearner:
             for item in (*self._prepared, *self._received):   # CANCELLED: their streams ended
                 self._answer(item)
         finally:
-            self._selector.close()
+            self._poll.close()
             self.closed.set()   # already, unless the relay failed
 
     def _loop(self) -> None:
@@ -492,13 +495,21 @@ class RelayLearner:
     def _look(self, timeout: float | None = 0) -> None:
         """Read what the fronts sent (waiting up to ``timeout``; None: until something
         comes): also from inside a step, through :meth:`RelayCall.is_active`."""
-        for key, _ in self._selector.select(timeout):
-            if key.data is None:
-                self._wake_in.recv(4096)
-            elif self._closing:   # unregistered earlier in this look
+        polled = self._polled
+        for fd, _ in self._poll.poll(timeout):
+            if fd not in polled:   # unregistered earlier in this look
                 continue
-            elif not self._read(key.data):
-                self._close_front(key.data)
+            front = polled[fd]
+            if front is None:
+                self._wake_in.recv(4096)
+            elif not self._read(front):
+                self._close_front(front)
+
+    def _watch(self, sock: socket.socket, front: _Front | None) -> None:
+        """Read ``sock`` (``front``'s, or the wake's) in :meth:`_look` from now on."""
+        fd = sock.fileno()
+        self._poll.register(fd, select.EPOLLIN)
+        self._polled[fd] = front
 
     def _join(self) -> None:
         """Start reading the fronts attached since the last pass."""
@@ -508,22 +519,28 @@ class RelayLearner:
             try:
                 if self._closing:   # the relay only drains what it has
                     raise ValueError("the relay is closing")
-                self._selector.register(front.sock, selectors.EVENT_READ, front)
+                self._watch(front.sock, front)
             except (OSError, ValueError):   # closed before it was read, or too late
                 self._close_front(front, registered=False)
 
     def _close_front(self, front: _Front, *, registered: bool = True) -> None:
         """Stop reading ``front``, whose connection closed; after the first front, stop
         reading every front (the relay only drains what it has)."""
-        selector = self._selector
         if registered:
-            selector.unregister(front.sock)
+            self._unwatch(front)
         self._front_closed(front)
         if front.index == 0:
             self._closing = True
-            for key in list(selector.get_map().values()):
-                if key.data is not None:
-                    selector.unregister(key.fileobj)
+            for other in [f for f in self._polled.values() if f is not None]:
+                self._unwatch(other)
+
+    def _unwatch(self, front: _Front) -> None:
+        fd = next(fd for fd, f in self._polled.items() if f is front)
+        del self._polled[fd]
+        try:
+            self._poll.unregister(fd)
+        except OSError:   # closed meanwhile (as selectors, which ignores it too)
+            pass
 
     def _read(self, front: _Front) -> bool:
         """Take what ``front`` sent and act on its complete frames; False once its
@@ -547,14 +564,14 @@ class RelayLearner:
             payload = bytes(unread[at + size:end]) if inline else b""
             at = end
             try:
-                if op == OPEN:
+                if op == PACKED:   # the usual request
+                    self._enqueue(front, sid, slot, front.slots.slot(slot, front.slots.size),
+                                  deadline, payload)
+                elif op == OPEN:
                     self._open(front, sid, unary=bool(slot))
                 elif op == REQ:
                     self._enqueue(front, sid, slot, front.slots.slot(slot, n) if slot >= 0
                                   else memoryview(payload), deadline)
-                elif op == PACKED:
-                    self._enqueue(front, sid, slot, front.slots.slot(slot, front.slots.size),
-                                  deadline, payload)
                 elif op == END:
                     self._end(front, sid)
                 elif op == REFUSED:
