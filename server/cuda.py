@@ -431,8 +431,8 @@ class CudaBackend(Backend):
         return shape
 
     def stage(self, batch: Batch | PackedBatch) -> None:
-        """Pack ``batch`` into the step's own pinned input buffer and start its H2D copy (a
-        packed batch's words are copied from where they lie)."""
+        """Start ``batch``'s H2D copy into the step's own input buffer: packed into its pinned
+        host buffer first, or a packed batch's words from where they lie."""
         if type(batch) is PackedBatch:
             self._inputs.reserve_device(batch.words)
             self._inputs.upload(batch.words, self.stream, batch.address)
@@ -619,19 +619,21 @@ class CudaBackend(Backend):
         words = 2 * B + 1 + 5 * G   # td_errors, priorities, entropy, [5, G] partials
         self._outputs.reserve(words)
         slot = upload.slot if type(upload) is _Uploaded else None
-        if slot is None:
-            self.stage(batch)
-        stepped = False   # a step waited for the upload (both paths sync, even failing)
+        reached = False   # the step's call, which syncs the stream even when it fails
         try:
+            if slot is None:
+                self.stage(batch)
             self._fill_args(B, R, has_weights,
                             self._inputs.device_ptr if slot is None else slot.staging.device_ptr)
             kernel = self._steps[kind][tile]
             step = self._python_step if self._native is None else self._native_step
-            stepped = slot is not None
+            reached = True
             totals = step(kernel, G, slot, B, words)
         finally:
+            if not reached:   # a staged copy may still read the caller's memory
+                self.stream.synchronize()
             if upload is not None:   # stepped: the stream is synchronized, nothing reads it
-                upload.stepped = stepped
+                upload.stepped = reached and slot is not None
                 upload.close()
         finite, norm2, loss_sum, q_sum, valid = totals
         out = self._outputs.host

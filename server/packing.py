@@ -1,25 +1,19 @@
 """Train requests packed by the front process, for the learner process to copy as they are.
 
 With ``--front-process`` the learner process's one relay thread is the server's serial
-path: every request's parse, checks, copy, launch and answer run there, one after another
-(server/relay.py).  A front process has spare time, and a request's bytes pass through
-it anyway on their way into a relay slot.  So where it can, the front writes the request's
-arrays into the slot already in the step kernel's packed input layout
-(:func:`duelq.server.batch.packed_layout`) and sends the learner a short descriptor
-instead of the request: the learner skips the framing's match, the arrays' views and the
-unpack kernel, and copies the slot's words to the device in one call
-(:class:`duelq.server.batch.PackedBatch`).
+path (server/relay.py).  A request's bytes pass through a front anyway, so where it can the
+front writes the request's arrays into its relay slot already in the step kernel's packed
+input layout (:func:`duelq.server.batch.packed_layout`) and sends a descriptor: the learner
+skips the framing's match, the arrays' views and the unpack kernel, and copies the slot's
+words to the device in one call (:class:`duelq.server.batch.PackedBatch`).
 
-A request is packed when its framing is the canonical one (server/wire.py) and its fields
-have dtypes and shapes that every learner takes as they are: h_t and h_tp1 [B, H] of one
-feature dtype (float32, float16, bfloat16), actions int32 [B], rewards, dones, discounts
-and (optional) weights float32 [B], a key that parses.  Anything else goes as it came, and
-the learner reads it as before, with its checks and its refusals.  The learner checks
-what the front cannot know (H against its config, B against its limit); a packed batch
-that fails them is refused with the words the unpacked request would get.  As the
-learner's request plans do (server/plans.py), the front learns once per wire layout
-whether its requests pack and where their arrays go, so a request of a layout seen before
-costs a framing compare, its arrays' copies and its key's parse.
+A request packs when its framing is canonical (server/wire.py) and its fields have dtypes
+and shapes every learner takes as they are: h_t and h_tp1 [B, H] of one feature dtype,
+actions int32 [B], rewards, dones, discounts and (optional) weights float32 [B], and a key
+that parses.  Anything else goes as it came, to the learner's own checks and refusals.  The
+learner checks what a front cannot know (H, the batch size limit) and words a refusal as
+for the unpacked bytes.  As the learner's request plans do (server/plans.py), the front
+learns once per wire layout whether and where its requests pack.
 
 The descriptor (a PACKED frame's payload): B, H, the features' dtype (an index into
 ``FEATURE_DTYPES``) and whether weights follow, then the key's bytes (a RequestKey).

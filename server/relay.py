@@ -225,11 +225,15 @@ class RelayFront:
         self._free.put(slot)
 
     def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
-        if len(data) <= self.slots.size:   # packed, it takes fewer bytes
-            descriptor = self._pack(data, self.slots.array(slot)) if self._pack else None
-            if descriptor is not None:
-                self._send(_FRAME.pack(PACKED, sid, slot, len(descriptor), deadline), descriptor)
-                return
+        descriptor = None
+        if self._pack is not None:
+            try:
+                descriptor = self._pack(data, self.slots.array(slot))
+            except Exception:  # noqa: BLE001 — a packing fault: the bytes go as they came
+                log.exception("packing a request of stream %d failed; sent unpacked", sid)
+        if descriptor is not None:
+            self._send(_FRAME.pack(PACKED, sid, slot, len(descriptor), deadline), descriptor)
+        elif len(data) <= self.slots.size:
             self.slots.write(slot, data)
             self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
         else:  # larger than a slot: inline (the slot still counts the request in flight)
@@ -563,6 +567,8 @@ class RelayLearner:
                 break
             payload = bytes(unread[at + size:end]) if inline else b""
             at = end
+            if (op == REQ or op == PACKED) and not self._slot_ok(front, op, slot):
+                return False
             try:
                 if op == PACKED:   # the usual request
                     self._enqueue(front, sid, slot, front.slots.slot(slot, front.slots.size),
@@ -583,6 +589,21 @@ class RelayLearner:
                 log.exception("relay frame %d of stream %d failed", op, sid)
         del unread[:at]
         return True
+
+    @staticmethod
+    def _slot_ok(front: _Front, op: int, slot: int) -> bool:
+        """Whether a request frame names one of ``front``'s slots (inline: the slot it
+        counts); if not (a front bug, with no slot to answer in) its connection is shut."""
+        index = slot if slot >= 0 else INLINE - slot
+        if 0 <= index < front.slots.count and (op == REQ or slot >= 0):
+            return True
+        log.error("front process %d sent a request in slot %d of its %d: its connection is "
+                  "shut", front.index + 1, slot, front.slots.count)
+        try:
+            front.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return False
 
     def _front_closed(self, front: _Front) -> None:
         """``front``'s connection closed: its streams end (every stream, for the first

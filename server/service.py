@@ -44,9 +44,9 @@ from .checkpoint import CheckpointError, CheckpointWriter
 from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
 from .idempotency import AlreadyApplied, ReplayGuard
 from .learner import Learner, Prepared, StepResult
-from .state import LearnerState
 from .packing import read_packed
 from .plans import Plans, RequestPlan
+from .state import LearnerState
 from .wire import (TENSOR_FIELDS, WireTrainRequest, known_layout, train_request_deserializer,
                    undecodable)
 

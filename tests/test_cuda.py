@@ -744,7 +744,7 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
     rng = np.random.default_rng(23)
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     start = random_state(config, rng, 0)
-    packer, size = Packer(), 2 << 20
+    packer, size = Packer(), 4 << 20
     with relayed_learners(config, start, native, 8 * size) as (plain, relayed, service, pool):
         def prepare(i: int, data: bytes, packed: bool):
             at = (i % 8) * size
@@ -765,9 +765,14 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
                                                               wanted.entropy), i
             assert got.td_errors.tobytes() == wanted.td_errors.tobytes(), i
 
+        # Each slot's turn: mixed kinds, then unpacked 64 rows, packed 3072 (the staging
+        # buffers grow and move) and 64 unpacked again, whose arguments must be filled anew.
         for i, (B, weights, packed) in enumerate([(1024, True, True), (1024, False, False),
                                                   (64, True, True)] * 3
-                                                 + [(1024, True, False), (31, False, True)] * 2):
+                                                 + [(1024, True, False), (31, False, True)] * 2
+                                                 + [(64, True, False)] * 3
+                                                 + [(3072, True, True)] * 3
+                                                 + [(64, True, False)] * 3):
             batch = random_batch(rng, B, config, start, weights)
             data = encode_batch(batch, feature_dtype=wire).SerializeToString()
             with prepare(i, data, packed) as job:
@@ -804,14 +809,15 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("native", HOST_PATHS)
 def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
-        native, monkeypatch):
+        native, packed, monkeypatch):
     """Each upload slot keeps its unpack arguments between requests of one layout.  A request
-    of a new layout whose upload fails part way (the device out of memory as the slot's
-    staging buffer grows) must not leave that slot with half of the new layout's arguments
-    under the old layout's name: the requests of the old layout after it still step exactly
-    as decoded ones."""
+    of a new layout (or a packed one) whose upload fails part way (the device out of memory
+    as the slot's staging buffer grows) must not leave that slot with half of the new
+    layout's arguments under the old layout's name: the requests of the old layout after it
+    still step exactly as decoded ones."""
     from duelq.client import encode_batch
     from duelq.server import cuda
     from duelq.server.service import decode_batch
@@ -842,10 +848,16 @@ def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
         for _ in range(cuda.UPLOAD_SLOTS):   # every slot filled in for 64 rows, no weights
             step(64, False)
         bigger = encode_batch(random_batch(rng, 512, config, start, True)).SerializeToString()
-        pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
         fail.append(True)
         with pytest.raises(RuntimeError, match="the test's"):
-            service.relay_prepare(pool.data[1:1 + len(bigger)], False, pool.ctypes.data + 1)
+            if packed:
+                from duelq.server.packing import Packer
+                descriptor = Packer().pack(bigger, pool)
+                service.relay_prepare_packed(descriptor, pool.data, pool.ctypes.data)
+            else:
+                pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
+                service.relay_prepare(pool.data[1:1 + len(bigger)], False,
+                                      pool.ctypes.data + 1)
         assert not fail   # the failure came from the slot's staging buffer
         for _ in range(2 * cuda.UPLOAD_SLOTS):   # the failed slot among them
             step(64, False)

@@ -21,6 +21,7 @@ from duelq.server.errors import InvalidArgument, ResourceExhausted
 from duelq.server.learner import Learner
 from duelq.server.packing import DESCRIPTOR, Packer, read_packed
 from duelq.server.reference import ReferenceBackend
+from duelq.server import relay
 from duelq.server.relay import RelayFront, RelayLearner, SlotPool
 from duelq.server.service import LearnerService, Limits, decode_batch, refusal
 from duelq.server.wire import parse_train_request
@@ -157,6 +158,9 @@ class PackedReference(ReferenceBackend):
         self.uploaded: list = []
 
     def upload(self, batch):
+        if isinstance(batch, PackedBatch):   # as cuda, it trusts the learner's checks
+            assert batch.hidden_dim == self.config.hidden_dim, "H unchecked"
+            assert batch.size <= LIMITS.max_batch_size, "B unchecked"
         self.uploaded.append(batch)
         return None
 
@@ -191,17 +195,15 @@ def _both(service: LearnerService, data: bytes) -> tuple:
                     else "reference")
     twin.learner.load(service.learner.snapshot())
 
-    def answer(prepare):
+    def answer(service: LearnerService, prepare):
         try:
             with prepare() as job:
-                return service_of[0].apply_train(job, None)
+                return service.apply_train(job, None)
         except Exception as exc:  # noqa: BLE001 — compared as the client would see it
             return refusal(exc, "TrainStream", "test")
-    service_of = [service]
-    packed = answer(lambda: service.relay_prepare_packed(descriptor, memoryview(slot),
-                                                         slot.ctypes.data))
-    service_of = [twin]
-    unpacked = answer(lambda: twin.relay_prepare(memoryview(data), False, None))
+    packed = answer(service, lambda: service.relay_prepare_packed(
+        descriptor, memoryview(slot), slot.ctypes.data))
+    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False, None))
     return packed, unpacked
 
 
@@ -242,6 +244,8 @@ def test_a_packed_request_is_refused_in_the_words_its_bytes_get(backend, why, co
     packed, unpacked = _both(service, data)
     assert isinstance(packed, tuple) and packed == unpacked, why
     assert service.learner.step_count == 0
+    if backend is PackedReference and why.startswith(("H", "B")):   # refused before upload
+        assert not any(isinstance(b, PackedBatch) for b in service.learner.backend.uploaded)
 
 
 def test_a_packed_request_with_a_bad_key_is_refused_as_its_bytes_are():
@@ -301,3 +305,67 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
         else:   # refused at the first: the stream's later requests are not applied
             assert answers == [(grpc.StatusCode.INTERNAL,
                                 b"a packed request reached a relay that takes none")] * 3
+
+
+@pytest.mark.parametrize("op, slot", [("PACKED", 7), ("PACKED", -2), ("REQ", 4),
+                                      ("REQ", relay.INLINE - 9)])
+def test_a_request_frame_naming_no_slot_of_its_front_shuts_that_front(op, slot, caplog):
+    """A frame whose slot is not one of its front's (a front bug): nothing is prepared, no
+    slot is answered on, and that front's connection is shut (here the first front's, which
+    ends the relay)."""
+    prepared: list = []
+    learner_end, front_end = socket.socketpair()
+    learner = RelayLearner(learner_end, SlotPool(4, 2048),
+                           lambda *a: prepared.append(a), lambda job, call: b"ok",
+                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: None,
+                           prepare_packed=lambda *a: prepared.append(a))
+    learner.start()
+    try:
+        payload = DESCRIPTOR.pack(1, 16, 0, 0) if op == "PACKED" or slot < 0 else b""
+        front_end.sendall(relay._FRAME.pack(relay.OPEN, 1, 0, 0, 0.0)
+                          + relay._FRAME.pack(getattr(relay, op), 1, slot, len(payload), 0.0)
+                          + payload)
+        assert learner.closed.wait(10)
+        assert front_end.recv(16) == b""   # shut: no reply came
+        assert prepared == [] and "sent a request in slot" in caplog.text
+    finally:
+        front_end.close()
+        learner.close()
+
+
+def test_a_request_whose_packing_fails_goes_as_it_came_and_one_that_packs_smaller_fits(caplog):
+    """A packing fault sends the request unpacked (logged); a request larger than a slot
+    whose packed arrays fit goes packed, not inline."""
+    rng = np.random.default_rng(8)
+    data = encode_batch_wire(random_batch(rng, 8), actor_id="a", seq=1)
+    _, words = packed_layout(8, 16, 4, True)
+    seen: list = []
+
+    def failing(data, slot):
+        raise RuntimeError("a packing fault (simulated)")
+    for pack, size, want in ((failing, 4096, "bytes"), (Packer().pack, 4 * words, "packed")):
+        assert 4 * words < len(data) and (size >= len(data)) == (want == "bytes")
+        seen.clear()
+        learner_end, front_end = socket.socketpair()
+        slots = SlotPool(2, size)
+        learner = RelayLearner(
+            learner_end, slots, lambda *a: seen.append("bytes") or types.SimpleNamespace(
+                close=lambda: None), lambda job, call: b"ok",
+            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+            open_stream=lambda: None, close_stream=lambda: None,
+            prepare_packed=lambda *a: seen.append("packed") or types.SimpleNamespace(
+                close=lambda: None))
+        learner.start()
+        front = RelayFront(front_end, slots, pack)
+        try:
+            stream = front.open(unary=True, deadline=None)
+            assert stream.submit(data)
+            stream.done_sending()
+            assert list(stream.replies()) == [(grpc.StatusCode.OK, b"ok")]
+            stream.close()
+        finally:
+            front.close()
+            learner.close()
+        assert seen == [want]
+    assert "packing a request of stream 1 failed" in caplog.text
