@@ -213,7 +213,8 @@ class FrontServer:
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
-        self._relay = RelayFront(sock, slots, Packer().pack)
+        self._relay = RelayFront(sock, slots,
+                                 Packer().pack if self.options.relay_pack else None)
         self._relay.on_close = self._learner_gone
 
     def _start_fronts(self, ctx) -> None:

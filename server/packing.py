@@ -139,7 +139,10 @@ class Packer:
                 pb.RequestKey.FromString(key)
             except Exception:  # noqa: BLE001 — upb's DecodeError: the learner words it
                 return None
-        source = np.frombuffer(data, np.uint8)
+        # Copied holding the GIL: a copy that lets it go (NumPy's, past 500 elements) must
+        # then wait for the front's busy gRPC threads to give it back, up to the switch
+        # interval (5 ms) each time; see docs/benchmarks.md, round 13.
+        source, target = memoryview(data), slot.data
         for start, at, n in plan.copies:
-            slot[at:at + n] = source[start:start + n]   # the large ones release the GIL
+            target[at:at + n] = source[start:start + n]
         return plan.descriptor + key

@@ -113,6 +113,10 @@ class ServerOptions:
     relay_slot_mb: float = 8.0
     """With ``front_process``: MiB of shared memory per slot; larger requests are relayed
     through the socket instead (slower, same result)."""
+    relay_pack: bool = True
+    """With ``front_process``: the fronts write each train request's arrays into its slot in
+    the step kernel's input layout where its dtypes and shapes allow (server/packing.py), so
+    the learner neither parses nor unpacks it; off: every request goes as it came."""
     host_calls: str = "auto"
     """On cuda, where a step's driver calls are made: "native" (server/native.c, built with
     the host's C compiler on first use), "python", or "auto" (native where it builds)."""

@@ -37,11 +37,14 @@ from duelq.v1 import learner_pb2_grpc as pb_grpc
 from conftest import SMALL, random_batch
 
 
-@pytest.fixture
-def pair(make_server):
-    """(one-process server, front-process server), same config, fresh state."""
+@pytest.fixture(params=[True, False], ids=["packed", "unpacked"])
+def pair(make_server, request):
+    """(one-process server, front-process server), same config, fresh state; the fronts
+    pack requests (server/packing.py) or not (``--no-relay-pack``)."""
     plain = make_server()
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True), backend="reference")
+    front = start_server(SMALL, ServerOptions(port=0, front_process=True,
+                                              relay_pack=request.param), backend="reference")
+    assert (front._relay._pack is not None) == request.param
     yield plain, front
     front.stop(0)
 
