@@ -68,6 +68,7 @@ FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].met
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
 FRONT_START_TIMEOUT_S = 60.0
+STOP_ACK_TIMEOUT_S = 5.0    # for another front to take in that the learner is stopping
 LEARNER_SOCKET, RELAY_SOCKET = "learner.sock", "relay.sock"   # in the private directory
 
 
@@ -143,6 +144,7 @@ class FrontServer:
         self._slots: SlotPool | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
+        self._stop_coming = False   # the first front is stopping the learner process
         self._fronts: list[tuple] = []   # the other front processes: (process, pipe)
         self._reaping = threading.Lock()   # one join at a time: two would race in waitpid
         # Refused at open, as the one-process server does (the learner process counts too).
@@ -262,8 +264,13 @@ class FrontServer:
         log.info("serving %s: front process %d of %d", SERVICE_NAME, self.index + 1,
                  o.front_processes)
 
+    def expect_stop(self) -> None:
+        """(Another front process.) The first front is about to stop the learner process:
+        its going is no fault."""
+        self._stop_coming = True
+
     def _learner_gone(self) -> None:
-        if not self._stopping:
+        if not (self._stopping or self._stop_coming):
             log.error("the learner process went away: NOT_SERVING")
             set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.broken.set()
@@ -284,6 +291,8 @@ class FrontServer:
         try:
             for _, conn in self._fronts:
                 _tell(conn, "stop")
+            for _, conn in self._fronts:   # each expects the learner process to go
+                _answered(conn, STOP_ACK_TIMEOUT_S)
             if self.index > 0:
                 if learner_drains and self._relay is not None:
                     self._relay.closed.wait(STOP_TIMEOUT_S)
@@ -462,6 +471,9 @@ def front_main(conn, options: ServerOptions, directory: str, log_setup: tuple[st
             except (EOFError, OSError):   # the first front is gone
                 pass
             break
+    if asked:
+        front.expect_stop()
+        _tell(conn, "stopping")
     front.stop(learner_drains=asked)
 
 
@@ -479,6 +491,15 @@ def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: Serv
             path.parent.rmdir()   # only if empty: nothing else is removed
         except OSError:
             pass
+
+
+def _answered(conn, timeout: float) -> None:
+    """Wait up to ``timeout`` for a word on ``conn`` (or its end) and take it."""
+    try:
+        if conn.poll(timeout):
+            conn.recv()
+    except (EOFError, OSError):   # that front is gone
+        pass
 
 
 def _tell(conn, message) -> bool:

@@ -832,10 +832,11 @@ def _metric(text: str, line_start: str) -> float:
                  if line.startswith(line_start)), 0.0)
 
 
-def test_front_processes_share_the_port_and_stop_together(make_server, tmp_path):
+def test_front_processes_share_the_port_and_stop_together(make_server, tmp_path, capfd):
     """--front-processes 2: the same answers as one process; connections reach both fronts
     (the learner process counts each front's requests); stop drains, writes the final
-    checkpoint, and every process exits and the socket folder goes."""
+    checkpoint, and every process exits and the socket folder goes, with no front taking
+    the learner process's going for a death."""
     front = start_server(SMALL, ServerOptions(port=0, front_process=True, front_processes=2,
                                               metrics_port=_free_port(),
                                               checkpoint_dir=str(tmp_path)),
@@ -855,6 +856,7 @@ def test_front_processes_share_the_port_and_stop_together(make_server, tmp_path)
         path, step = front.stop()
     assert step == 3 * 13 + 24 and path.exists()
     assert not any(p.is_alive() for p, _ in front._fronts) and not front._dir.exists()
+    assert "[front-2]: the learner process went away" not in capfd.readouterr().err
 
 
 def test_a_killed_second_front_leaves_the_first_serving(tmp_path, caplog):
@@ -955,3 +957,20 @@ def test_a_stream_is_counted_out_before_its_last_answer_leaves():
     finally:
         front.close()
         learner.close()
+
+
+def test_another_front_told_of_a_stop_takes_the_learner_process_going_calmly(caplog):
+    """The first front tells the others before it stops the learner process, so that they
+    do not take its going for a death (ERROR, NOT_SERVING) as they do otherwise."""
+    options = ServerOptions(port=0, front_process=True, front_processes=2)
+    for told in (False, True):
+        caplog.clear()
+        front = FrontServer(options, index=1)
+        try:
+            if told:
+                front.expect_stop()
+            front._learner_gone()
+            assert front.broken.is_set() != told
+            assert ("the learner process went away" in caplog.text) != told
+        finally:
+            front._server.stop(0)
