@@ -87,7 +87,9 @@ class SlotPool:
             raise ValueError(f"{len(data)} bytes into slot {index}: the pool has {self.count} "
                              f"slots of {self.size} bytes")
         start = index * self.size
-        self.bytes[start:start + len(data)] = np.frombuffer(data, np.uint8)  # GIL released
+        # Holding the GIL, as the Packer copies (server/packing.py): a copy that let it go
+        # would wait for the front's busy threads to give it back.
+        self.view[start:start + len(data)] = data
 
     def close(self) -> None:
         self.view.release()
