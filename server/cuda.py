@@ -619,8 +619,8 @@ class CudaBackend(Backend):
         words = 2 * B + 1 + 5 * G   # td_errors, priorities, entropy, [5, G] partials
         self._outputs.reserve(words)
         slot = upload.slot if type(upload) is _Uploaded else None
-        reached = False   # the step's call, which syncs the stream even when it fails
-        try:
+        reached = stepped = False   # the step's call (it syncs the stream even failing);
+        try:                        # its success (it waited for the upload's copy)
             if slot is None:
                 self.stage(batch)
             self._fill_args(B, R, has_weights,
@@ -629,11 +629,12 @@ class CudaBackend(Backend):
             step = self._python_step if self._native is None else self._native_step
             reached = True
             totals = step(kernel, G, slot, B, words)
+            stepped = slot is not None
         finally:
             if not reached:   # a staged copy may still read the caller's memory
                 self.stream.synchronize()
-            if upload is not None:   # stepped: the stream is synchronized, nothing reads it
-                upload.stepped = reached and slot is not None
+            if upload is not None:   # stepped: nothing reads it; else close waits for it
+                upload.stepped = stepped
                 upload.close()
         finite, norm2, loss_sum, q_sum, valid = totals
         out = self._outputs.host

@@ -176,7 +176,8 @@ class FrontStream:
 
 
 #: Writes a request's arrays into a slot (uint8) in the packed layout and returns the
-#: descriptor to send, or None to send the request as it is (server/packing.py's Packer).
+#: descriptor to send, or None (or a raise) to send the request as it came
+#: (server/packing.py's Packer).
 Pack = Callable[[bytes, np.ndarray], "bytes | None"]
 
 
@@ -186,6 +187,7 @@ class RelayFront:
 
     def __init__(self, sock: socket.socket, slots: SlotPool, pack: Pack | None = None):
         self._sock, self.slots, self._pack = sock, slots, pack
+        self._pack_failed = False
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(slots.count):
             self._free.put(i)
@@ -232,7 +234,10 @@ class RelayFront:
             try:
                 descriptor = self._pack(data, self.slots.array(slot))
             except Exception:  # noqa: BLE001 — a packing fault: the bytes go as they came
-                log.exception("packing a request of stream %d failed; sent unpacked", sid)
+                if not self._pack_failed:   # once: it may fail for every request
+                    self._pack_failed = True
+                    log.exception("packing a request of stream %d failed; it and any "
+                                  "other that fails so go unpacked", sid)
         if descriptor is not None:
             self._send(_FRAME.pack(PACKED, sid, slot, len(descriptor), deadline), descriptor)
         elif len(data) <= self.slots.size:
@@ -339,6 +344,7 @@ class _Front:
 
     def __init__(self, index: int, sock: socket.socket, slots: SlotPool):
         self.index, self.sock, self.slots = index, sock, slots
+        self.fd = -1                # its descriptor, as watched (the socket may close first)
         self.unread = bytearray()   # bytes received and not yet framed
 
 
@@ -514,8 +520,10 @@ class RelayLearner:
     def _watch(self, sock: socket.socket, front: _Front | None) -> None:
         """Read ``sock`` (``front``'s, or the wake's) in :meth:`_look` from now on."""
         fd = sock.fileno()
-        self._poll.register(fd, select.EPOLLIN)
+        self._poll.register(fd, select.EPOLLIN)   # a closed socket's -1: ValueError
         self._polled[fd] = front
+        if front is not None:
+            front.fd = fd
 
     def _join(self) -> None:
         """Start reading the fronts attached since the last pass."""
@@ -541,10 +549,10 @@ class RelayLearner:
                 self._unwatch(other)
 
     def _unwatch(self, front: _Front) -> None:
-        fd = next(fd for fd, f in self._polled.items() if f is front)
-        del self._polled[fd]
+        """Stop reading ``front`` in :meth:`_look`."""
+        del self._polled[front.fd]
         try:
-            self._poll.unregister(fd)
+            self._poll.unregister(front.fd)
         except OSError:   # closed meanwhile (as selectors, which ignores it too)
             pass
 
@@ -569,7 +577,7 @@ class RelayLearner:
                 break
             payload = bytes(unread[at + size:end]) if inline else b""
             at = end
-            if (op == REQ or op == PACKED) and not self._slot_ok(front, op, slot):
+            if (op == REQ or op == PACKED) and not self._in_bounds(front, op, slot, n):
                 return False
             try:
                 if op == PACKED:   # the usual request
@@ -593,14 +601,16 @@ class RelayLearner:
         return True
 
     @staticmethod
-    def _slot_ok(front: _Front, op: int, slot: int) -> bool:
+    def _in_bounds(front: _Front, op: int, slot: int, n: int) -> bool:
         """Whether a request frame names one of ``front``'s slots (inline: the slot it
-        counts); if not (a front bug, with no slot to answer in) its connection is shut."""
+        counts) and its bytes fit there; if not (a front bug, with no slot to answer in),
+        shut that front's connection and say False."""
         index = slot if slot >= 0 else INLINE - slot
-        if 0 <= index < front.slots.count and (op == REQ or slot >= 0):
+        if 0 <= index < front.slots.count and (
+                slot < 0 and op == REQ or slot >= 0 and (op == PACKED or n <= front.slots.size)):
             return True
-        log.error("front process %d sent a request in slot %d of its %d: its connection is "
-                  "shut", front.index + 1, slot, front.slots.count)
+        log.error("front process %d sent a request of %d bytes in slot %d of its %d: its "
+                  "connection is shut", front.index + 1, n, slot, front.slots.count)
         try:
             front.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -111,8 +111,9 @@ class ServerOptions:
     relay_slots: int = 32
     """With ``front_process``: train requests in flight between each front and the learner."""
     relay_slot_mb: float = 8.0
-    """With ``front_process``: MiB of shared memory per slot; larger requests are relayed
-    through the socket instead (slower, same result)."""
+    """With ``front_process``: MiB of shared memory per slot; a request that does not fit
+    (packed, or else as it came) is relayed through the socket instead (slower, same
+    result)."""
     relay_pack: bool = True
     """With ``front_process``: the fronts write each train request's arrays into its slot in
     the step kernel's input layout where its dtypes and shapes allow (server/packing.py), so

@@ -45,6 +45,11 @@ def pair(make_server, request):
     front = start_server(SMALL, ServerOptions(port=0, front_process=True,
                                               relay_pack=request.param), backend="reference")
     assert (front._relay._pack is not None) == request.param
+    front.packed = None   # the Packer's answers, when it packs
+    if request.param:
+        pack, front.packed = front._relay._pack, []
+        front._relay._pack = lambda data, slot: front.packed.append(pack(data, slot)) \
+            or front.packed[-1]
     yield plain, front
     front.stop(0)
 
@@ -83,6 +88,8 @@ def test_trains_exactly_like_the_one_process_server(pair):
     want, got = _results(plain.target, 5), _results(front.target, 5)
     assert got == want
     assert got[-1] == 3 * 13   # every step applied once
+    if front.packed is not None:   # every request of every wire went packed
+        assert len(front.packed) == 3 * 13 and all(front.packed)
 
 
 def _refusal(call) -> tuple[grpc.StatusCode, str]:

@@ -5,6 +5,7 @@ and a request that does not pack must go as it came."""
 from __future__ import annotations
 
 import socket
+import time
 import types
 
 import grpc
@@ -15,13 +16,13 @@ from hypothesis import strategies as st
 
 from duelq.client.client import encode_batch_wire
 from duelq.client.tensors import encode
+from duelq.server import relay
 from duelq.server.backend import StepOutputs
 from duelq.server.batch import FEATURE_DTYPES, Batch, PackedBatch, packed_layout, validate_batch
 from duelq.server.errors import InvalidArgument, ResourceExhausted
 from duelq.server.learner import Learner
 from duelq.server.packing import DESCRIPTOR, Packer, read_packed
 from duelq.server.reference import ReferenceBackend
-from duelq.server import relay
 from duelq.server.relay import RelayFront, RelayLearner, SlotPool
 from duelq.server.service import LearnerService, Limits, decode_batch, refusal
 from duelq.server.wire import parse_train_request
@@ -307,12 +308,13 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
                                 b"a packed request reached a relay that takes none")] * 3
 
 
-@pytest.mark.parametrize("op, slot", [("PACKED", 7), ("PACKED", -2), ("REQ", 4),
-                                      ("REQ", relay.INLINE - 9)])
-def test_a_request_frame_naming_no_slot_of_its_front_shuts_that_front(op, slot, caplog):
-    """A frame whose slot is not one of its front's (a front bug): nothing is prepared, no
-    slot is answered on, and that front's connection is shut (here the first front's, which
-    ends the relay)."""
+@pytest.mark.parametrize("op, slot, size", [("PACKED", 7, 10), ("PACKED", -2, 10),
+                                            ("REQ", 4, 0), ("REQ", relay.INLINE - 9, 10),
+                                            ("REQ", 1, 2049)])
+def test_a_request_frame_naming_no_slot_of_its_front_shuts_that_front(op, slot, size, caplog):
+    """A frame whose slot is not one of its front's, or whose bytes overrun it (a front
+    bug): nothing is prepared, no slot is answered on, and that front's connection is shut
+    (here the first front's, which ends the relay)."""
     prepared: list = []
     learner_end, front_end = socket.socketpair()
     learner = RelayLearner(learner_end, SlotPool(4, 2048),
@@ -322,13 +324,14 @@ def test_a_request_frame_naming_no_slot_of_its_front_shuts_that_front(op, slot, 
                            prepare_packed=lambda *a: prepared.append(a))
     learner.start()
     try:
-        payload = DESCRIPTOR.pack(1, 16, 0, 0) if op == "PACKED" or slot < 0 else b""
+        inline = op == "PACKED" or slot < 0   # its bytes follow the frame
+        front_end.settimeout(10)
         front_end.sendall(relay._FRAME.pack(relay.OPEN, 1, 0, 0, 0.0)
-                          + relay._FRAME.pack(getattr(relay, op), 1, slot, len(payload), 0.0)
-                          + payload)
+                          + relay._FRAME.pack(getattr(relay, op), 1, slot, size, 0.0)
+                          + (b"x" * size if inline else b""))
         assert learner.closed.wait(10)
         assert front_end.recv(16) == b""   # shut: no reply came
-        assert prepared == [] and "sent a request in slot" in caplog.text
+        assert prepared == [] and "sent a request of" in caplog.text
     finally:
         front_end.close()
         learner.close()
@@ -369,3 +372,27 @@ def test_a_request_whose_packing_fails_goes_as_it_came_and_one_that_packs_smalle
             learner.close()
         assert seen == [want]
     assert "packing a request of stream 1 failed" in caplog.text
+
+
+def test_the_relay_sleeps_once_a_second_front_has_come_and_gone():
+    """A front that attaches (the wake) and then closes (no longer watched) leaves the
+    relay thread waiting, not spinning."""
+    first_end, first_front = socket.socketpair()
+    learner = RelayLearner(first_end, SlotPool(2, 1024), lambda *a: None,
+                           lambda job, call: b"ok",
+                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: None)
+    learner.start()
+    second_end, second_front = socket.socketpair()
+    try:
+        learner.attach(second_end, SlotPool(2, 1024))
+        time.sleep(0.2)
+        second_front.close()
+        time.sleep(0.2)
+        clock = time.pthread_getcpuclockid(learner.thread.ident)
+        spent = time.clock_gettime(clock)
+        time.sleep(0.5)
+        assert time.clock_gettime(clock) - spent < 0.05   # asleep in its poll
+    finally:
+        first_front.close()
+        learner.close()
