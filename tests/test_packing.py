@@ -5,6 +5,7 @@ and a request that does not pack must go as it came."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import types
 
@@ -395,4 +396,58 @@ def test_the_relay_sleeps_once_a_second_front_has_come_and_gone():
         assert time.clock_gettime(clock) - spent < 0.05   # asleep in its poll
     finally:
         first_front.close()
+        learner.close()
+
+
+def test_a_relay_whose_first_front_closed_reads_no_other_front_while_it_drains():
+    """Once the first front has closed, the relay only drains what it has: a stream that
+    another front opens meanwhile is never read.  The first front's three requests: the
+    first steps (held), the second is prepared, the third received; the front closes; the
+    second is answered (cancelled, its close held while the other front sends) and the
+    relay still looks once before it answers the third."""
+    first_end, first_front = socket.socketpair()
+    second_end, second_front = socket.socketpair()
+    prepared: list = []
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        assert go.wait(10)
+        go.clear()
+
+    def prepare(data, unary, address):
+        prepared.append(bytes(data))
+        return types.SimpleNamespace(close=hold if bytes(data) == b"two" else lambda: None)
+
+    def apply(job, call):
+        hold()
+        return b"ok"
+    first = SlotPool(3, 64)
+    learner = RelayLearner(first_end, first, prepare, apply,
+                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
+                           open_stream=lambda: None, close_stream=lambda: None)
+    learner.start()
+    second = SlotPool(1, 64)
+    try:
+        learner.attach(second_end, second)
+        frames = relay._FRAME.pack(relay.OPEN, 1, 0, 0, 0.0)
+        for i, data in enumerate((b"one", b"two", b"six")):
+            first.write(i, data)
+            frames += relay._FRAME.pack(relay.REQ, 1, i, 3, 0.0)
+        first_front.sendall(frames)
+        assert held.wait(10)   # "one" steps
+        held.clear()
+        first_front.close()
+        go.set()
+        assert held.wait(10)   # "two" is answered, cancelled: its close holds
+        second.write(0, b"new")
+        second_front.sendall(relay._FRAME.pack(relay.OPEN, 1, 0, 0, 0.0)
+                             + relay._FRAME.pack(relay.REQ, 1, 0, 3, 0.0))
+        time.sleep(0.2)
+        go.set()
+        learner.thread.join(10)   # drained and ended
+        assert not learner.thread.is_alive() and prepared == [b"one", b"two", b"six"]
+    finally:
+        go.set()
+        second_front.close()
         learner.close()
