@@ -2,8 +2,10 @@
 
     python3 benchmarks/unary_latency.py [--backend reference] [--calls 2000]
 
-``--front-process`` forwards every rpc but TrainStep/TrainStream from the front to the
-learner process through a second gRPC hop (a private Unix socket).  This starts both
+``--front-process`` passes every rpc from the front to the learner process: the train
+rpcs and the small ones (Act, GetWeights, ReadISV, GetInfo, ComputeEntropy) over the relay's
+socket (until round 13 the small ones took a second gRPC hop, a private Unix socket, as
+SaveCheckpoint still does).  This starts both
 servers (same config, fresh state) and times Act (B = 1 and 64), GetWeights, ReadISV and
 GetInfo through the client library, one call at a time: p50 and p99 in µs, and the front's
 extra p50.  Prints a table.

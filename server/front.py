@@ -12,8 +12,9 @@ turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
   learned on;
 * the learner process is an ordinary :class:`LearnerServer` bound to a private
   Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
-  the same service code, and every other rpc is forwarded to it as raw bytes.
-  Checkpoints, idempotency keys and /metrics live there.
+  the same service code.  The small rpcs (``RELAYED_CALLS``: Act, GetWeights …) travel
+  whole over the relay too, run between two steps; SaveCheckpoint is forwarded to the
+  private socket as raw bytes.  Checkpoints, idempotency keys and /metrics live there.
 
 With ``front_processes`` = K > 1, K − 1 more front processes bind the same port
 (SO_REUSEPORT: the kernel spreads incoming connections over the K), each with a GIL of
@@ -58,7 +59,7 @@ from .packing import Packer
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
-from .service import TrainJob, refusal, too_many_streams
+from .service import RELAYED_CALLS, TrainJob, refusal, too_many_streams
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +420,21 @@ class FrontServer:
             self._relay.report_refusal(method, code)
 
     def _forward(self, name: str):
-        """A handler passing ``name``'s request bytes to the learner process and back."""
+        """A handler passing ``name``'s request bytes to the learner process and back: over
+        the relay for the small rpcs (RELAYED_CALLS), else over gRPC."""
+        if name in RELAYED_CALLS:
+            method = RELAYED_CALLS.index(name)
+
+            def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
+                if self._relay is None:
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  "the learner's backend is still starting; retry shortly")
+                code, payload = self._relay.call(method, request, _deadline(context))
+                if code != grpc.StatusCode.OK:
+                    context.abort(code, payload.decode(errors="replace"))
+                return payload
+            return relayed
+
         def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
             call = self._calls.get(name)
             if call is None:
@@ -553,6 +568,15 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         refused(name, code.name)
         return code, details
 
+    def call(method: int, request: bytes, context) -> tuple[grpc.StatusCode, bytes]:
+        name = RELAYED_CALLS[method]
+        try:
+            return grpc.StatusCode.OK, service.call_relayed(name, request, context)
+        except Exception as exc:  # noqa: BLE001 — answered, as the gRPC server would
+            code, details = refusal(exc, name, "relay")
+            refused(name, code.name)
+            return code, details.encode()
+
     def open_stream() -> None:
         service.open_stream()
         if metrics is not None:
@@ -573,7 +597,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
 
     relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
                          open_stream=open_stream, close_stream=close_stream,
-                         prepare_packed=service.relay_prepare_packed,
+                         prepare_packed=service.relay_prepare_packed, call=call,
                          depth=metrics.queue_depth if metrics is not None else None,
                          refused=refused, relayed=relayed)
     relay.start()

@@ -1,4 +1,4 @@
-"""The hand-over of train requests from the front process to the learner process.
+"""The hand-over of rpcs from the front process to the learner process.
 
 With ``--front-process`` the gRPC server runs in one process and the learner in
 another, so gRPC's per-message Python work and the learner's (parse, checks,
@@ -14,11 +14,15 @@ Unix socket pair carries fixed-size frames:
                       END   stream: the rpc is over; requests not started are not applied
                       REFUSED  size, then "method code" (UTF-8): an rpc the front itself
                             refused (token, max_streams), for the learner's metrics
-    learner → front   REPLY stream, slot, status code, size, then the payload
-                      (TrainResponse bytes, or the error details as UTF-8)
+                      CALL  call id, method, size, deadline, then the request's bytes: a
+                            small rpc (Act, GetWeights …), relayed whole
+    learner → front   REPLY stream (or call id), slot (NO_SLOT for a CALL), status code,
+                      size, then the payload (the response's bytes, or the error details
+                      as UTF-8)
 
 Every REQ gets exactly one REPLY, in order within its stream; the front gives a
-slot back only on its REPLY, so the learner reads the bytes in place.  With several
+slot back only on its REPLY, so the learner reads the bytes in place.  Every CALL gets
+one REPLY too, between two steps (not behind the train requests queued before it).  With several
 front processes (``--front-processes``) each has its own socket and slot pool, and
 stream ids are each front's own.  The learner
 takes requests in arrival order on one thread, which reads every front's frames, checks
@@ -45,11 +49,12 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-OPEN, REQ, END, REFUSED, PACKED = 1, 2, 3, 4, 5
+OPEN, REQ, END, REFUSED, PACKED, CALL = 1, 2, 3, 4, 5, 6
 _FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: none)
 _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 INLINE = -1
+NO_SLOT = -(1 << 31)   # a CALL's REPLY: no slot to give back
 MAX_STREAM_ID = (1 << 32) - 1
 
 
@@ -181,6 +186,19 @@ class FrontStream:
 Pack = Callable[[bytes, np.ndarray], "bytes | None"]
 
 
+class _Answer:
+    """The one reply to a CALL."""
+
+    def __init__(self):
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+
+    def deliver(self, code: grpc.StatusCode, payload: bytes) -> None:
+        self._replies.put((code, payload))
+
+    def get(self) -> tuple[grpc.StatusCode, bytes]:
+        return self._replies.get()
+
+
 class RelayFront:
     """The front process's end: submits requests (packed by ``pack`` where it can) and
     routes the learner's replies."""
@@ -192,7 +210,7 @@ class RelayFront:
         for i in range(slots.count):
             self._free.put(i)
         self._send_lock = threading.Lock()
-        self._streams: dict[int, FrontStream] = {}
+        self._streams: dict[int, FrontStream | _Answer] = {}   # by stream or call id
         self._last_id = 0              # stream ids: 1 … 2**32 − 1 (a frame's 32 bits), again
         self._ids_lock = threading.Lock()
         self.alive = True
@@ -204,10 +222,7 @@ class RelayFront:
 
     def open(self, *, unary: bool, deadline: float | None) -> FrontStream:
         with self._ids_lock:
-            sid = self._last_id % MAX_STREAM_ID + 1
-            while sid in self._streams:   # after 2**32 calls: skip the ones still open
-                sid = sid % MAX_STREAM_ID + 1
-            self._last_id = sid
+            sid = self._new_id()
             stream = self._streams[sid] = FrontStream(self, sid, deadline)
         try:
             self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
@@ -215,6 +230,34 @@ class RelayFront:
             self._streams.pop(sid, None)
             raise
         return stream
+
+    def _new_id(self) -> int:
+        """The next stream (or call) id: 1 … 2**32 − 1 (a frame's 32 bits), again; under
+        ``_ids_lock``."""
+        sid = self._last_id % MAX_STREAM_ID + 1
+        while sid in self._streams:   # after 2**32 calls: skip the ones still open
+            sid = sid % MAX_STREAM_ID + 1
+        self._last_id = sid
+        return sid
+
+    def call(self, method: int, request: bytes, deadline: float | None
+             ) -> tuple[grpc.StatusCode, bytes]:
+        """Relay a small rpc whole (``method``: its index in the learner's table) and
+        wait for its (code, payload); UNAVAILABLE once the learner process is gone."""
+        answer = _Answer()
+        with self._ids_lock:
+            sid = self._new_id()
+            self._streams[sid] = answer
+        try:
+            if self.alive:   # else the reader, gone, answers no more
+                self._send(_FRAME.pack(CALL, sid, method, len(request), deadline or 0.0),
+                           request)
+                return answer.get()
+        except RelayClosed:
+            pass
+        finally:
+            self._streams.pop(sid, None)
+        return grpc.StatusCode.UNAVAILABLE, b"the learner process went away; retry"
 
     def take_slot(self, stream: FrontStream) -> int | None:
         """A free slot (waits while all are in use); None if the stream or relay closed."""
@@ -279,7 +322,8 @@ class RelayFront:
             while True:
                 sid, slot, code, n = _REPLY.unpack(_recv_exact(rfile, _REPLY.size))
                 payload = _recv_exact(rfile, n) if n else b""
-                self._free.put(slot if slot >= 0 else INLINE - slot)
+                if slot != NO_SLOT:
+                    self._free.put(slot if slot >= 0 else INLINE - slot)
                 stream = self._streams.get(sid)
                 if stream is not None:
                     stream.deliver(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload)
@@ -392,6 +436,8 @@ PreparePacked = Callable[[bytes, memoryview, int], Job]
 Apply = Callable[[Job, RelayCall], bytes]
 #: Turns an exception into (status code, details), given unary.
 Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
+#: Runs a small rpc relayed whole: (method index, request bytes, call) → (code, payload).
+Call = Callable[[int, bytes, RelayCall], tuple[grpc.StatusCode, bytes]]
 
 #: Requests prepared ahead of the one being stepped: its copy to the device then overlaps
 #: that step.  With the one stepping, within the CUDA backend's upload slots
@@ -401,6 +447,10 @@ AHEAD = 1
 
 def _no_packed(descriptor: bytes, data: memoryview, address: int) -> Job:
     raise RuntimeError("a packed request reached a relay that takes none")
+
+
+def _no_calls(method: int, request: bytes, call: RelayCall) -> tuple[grpc.StatusCode, bytes]:
+    return grpc.StatusCode.UNIMPLEMENTED, b"this relay takes no small rpcs"
 
 
 class RelayLearner:
@@ -419,7 +469,7 @@ class RelayLearner:
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
                  close_stream: Callable[[], None], prepare_packed: PreparePacked | None = None,
-                 depth: Gauge | None = None,
+                 call: Call | None = None, depth: Gauge | None = None,
                  refused: Callable[[str, str], None] = lambda method, code: None,
                  relayed: Callable[[int], None] = lambda front: None):
         self._fronts = [_Front(0, sock, slots)]
@@ -430,10 +480,12 @@ class RelayLearner:
         self._refused = refused   # (method, code name) of an rpc the front refused
         self._prepare, self._apply, self._refuse = prepare, apply, refuse
         self._prepare_packed = prepare_packed or _no_packed
+        self._call = call or _no_calls
         self._open_stream, self._close_stream = open_stream, close_stream
         # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._received: deque[_Item] = deque()   # not yet prepared
+        self._calls: deque[tuple] = deque()   # CALLs read: (front, id, method, bytes, deadline)
         self._prepared: deque[_Item] = deque()   # prepared, not yet stepped (≤ AHEAD + 1)
         self._closing = False         # the first front has gone: drain, then stop
         # A byte on this pair wakes the relay's select: a front attached.
@@ -494,9 +546,12 @@ class RelayLearner:
         while True:
             if self._joining:
                 self._join()
+            if self._calls:   # between steps: a small rpc waits for no queue
+                self._answer_calls()
             if received and len(prepared) <= AHEAD:
                 prepared.append(self._prepare_next())
             elif not prepared and self._closing:
+                self._answer_calls()
                 return
             # With a request to step, only look (frames are likely there), else wait for a
             # frame or a wake.
@@ -571,7 +626,7 @@ class RelayLearner:
         while len(unread) - at >= size:
             op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
             # its bytes follow the frame
-            inline = op == REFUSED or op == PACKED or (op == REQ and slot < 0)
+            inline = op in (PACKED, REFUSED, CALL) or (op == REQ and slot < 0)
             end = at + size + (n if inline else 0)
             if len(unread) < end:
                 break
@@ -590,6 +645,8 @@ class RelayLearner:
                                   else memoryview(payload), deadline)
                 elif op == END:
                     self._end(front, sid)
+                elif op == CALL:
+                    self._calls.append((front, sid, slot, payload, deadline))
                 elif op == REFUSED:
                     method, _, code = payload.decode().rpartition(" ")
                     self._refused(method, code)
@@ -680,6 +737,20 @@ class RelayLearner:
             except Exception as exc:  # noqa: BLE001 — answered in order, at its turn
                 item.error = exc
         return item
+
+    def _answer_calls(self) -> None:
+        """Run and answer the small rpcs read so far (a failure is answered INTERNAL)."""
+        while self._calls:
+            front, sid, method, request, deadline = self._calls.popleft()
+            stream = _LearnerStream(front, sid, True)
+            try:
+                code, payload = self._call(method, request,
+                                           RelayCall(deadline, stream, time.perf_counter(),
+                                                     self._look))
+            except Exception as exc:  # noqa: BLE001 — every call is answered
+                log.exception("a relayed call (method %d) failed", method)
+                code, payload = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}".encode()
+            self._reply(stream, NO_SLOT, code, payload)
 
     def _answer(self, item: _Item) -> None:
         """Step ``item`` (or refuse it) and reply."""

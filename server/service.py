@@ -177,6 +177,13 @@ def _placed(batch: Batch, offsets: tuple | None, address: int | None) -> Batch:
                                         offsets, sizes))
 
 
+#: The small rpcs a front process relays whole (its others it forwards over gRPC:
+#: SaveCheckpoint, which writes a file, would hold up the learner's steps meanwhile).
+RELAYED_CALLS = ("Act", "GetWeights", "ReadISV", "GetInfo", "ComputeEntropy")
+_REQUESTS = {name: getattr(pb, pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name[
+    name].input_type.name) for name in RELAYED_CALLS}
+
+
 def too_many_streams(limit: int) -> str:
     """What the server says to a TrainStream past ``max_streams``."""
     return f"too many concurrent TrainStreams (limit {limit})"
@@ -425,6 +432,19 @@ class LearnerService(pb_grpc.LearnerServicer):
         ReplayGuard.check_key(key.actor_id, key.seq)
         self._refuse_if_draining()
         return TrainJob(learner, key, learner.prepare_packed(packed))
+
+    def call_relayed(self, name: str, request: bytes, context) -> bytes:
+        """A small rpc (one of :data:`RELAYED_CALLS`) that a front process relayed whole
+        (server/relay.py): its response's bytes.  Raises what the rpc refuses with; bytes
+        that do not parse, InvalidArgument in DecodeGuard's words."""
+        if name not in RELAYED_CALLS:
+            raise ValueError(f"{name} is not relayed")
+        try:
+            message = _REQUESTS[name].FromString(request)
+        except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
+            raise InvalidArgument("request", undecodable(name, exc)) from None
+        # The handler itself, not _rpc's wrapper, which would abort a grpc context.
+        return getattr(type(self), name).__wrapped__(self, message, context).SerializeToString()
 
     def open_stream(self) -> None:
         """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duelq.client import LearnerClient, encode_batch
+from duelq.client.tensors import encode
 from duelq.client import errors as client_errors
 from duelq.server.checkpoint import CheckpointError
 from duelq.server.config import LearnerConfig
@@ -100,7 +101,8 @@ def _refusal(call) -> tuple[grpc.StatusCode, str]:
 
 def test_refuses_like_the_one_process_server(pair):
     """Bad values, bytes that do not parse, a failing request mid-stream (nothing after it
-    applied), a replayed key and a bad forwarded rpc: same code, same details."""
+    applied), a replayed key, bad small rpcs (relayed whole: bad fields, bytes that do not
+    parse) and a refused one forwarded over gRPC: same code, same details."""
     rng = np.random.default_rng(2)
     bad = encode_batch(random_batch(rng, 6))
     bad.dones.CopyFrom(encode_batch(random_batch(rng, 6)).rewards)  # not 0/1
@@ -114,12 +116,21 @@ def test_refuses_like_the_one_process_server(pair):
         stream = list(_refusal(lambda: list(stub.TrainStream(iter([good[0], bad, good[1]])))))
         step_after_stream = stub.GetInfo(pb.GetInfoRequest()).step
         again = stub.TrainStep(good[0])
+        raw_act = grpc.insecure_channel(server.target).unary_unary(f"/{SERVICE_NAME}/Act")
         seen.append([_refusal(lambda: stub.TrainStep(bad)),
                      _refusal(lambda: raw(b"\x0a\x05\xff\xff")),
                      stream, step_after_stream, (again.replayed, again.step),
-                     _refusal(lambda: stub.ComputeEntropy(pb.EntropyRequest(alpha=0.5)))])
+                     _refusal(lambda: stub.ComputeEntropy(pb.EntropyRequest(alpha=0.5))),
+                     _refusal(lambda: stub.Act(pb.ActRequest(h=encode(
+                         np.zeros((2, SMALL.hidden_dim + 1), np.float32), "h")))),
+                     _refusal(lambda: raw_act(b"\x0a\x05\xff\xff")),
+                     _refusal(lambda: stub.ReadISV(pb.ReadISVRequest(
+                         slots=[pb.SlotRef(name="no such slot")]))),
+                     _refusal(lambda: stub.SaveCheckpoint(pb.SaveCheckpointRequest()))])
     want, got = seen
     assert got == want
+    assert [code for code, _ in want[5:]] == [grpc.StatusCode.INVALID_ARGUMENT] * 4 + [
+        grpc.StatusCode.FAILED_PRECONDITION]
     assert want[0][0] == grpc.StatusCode.INVALID_ARGUMENT and "dones" in want[0][1]
     assert want[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "cannot parse" in want[1][1]
     assert want[3] == 1 and want[4] == (True, 1)
@@ -981,3 +992,58 @@ def test_another_front_told_of_a_stop_takes_the_learner_process_going_calmly(cap
             assert ("the learner process went away" in caplog.text) != told
         finally:
             front._server.stop(0)
+
+
+def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
+    """A small rpc relayed whole (CALL) is run between two steps, not behind the train
+    requests queued before it, and its reply frees no slot; one that raises is answered
+    INTERNAL; a relay that takes none answers UNIMPLEMENTED; once the learner end is gone
+    the front answers UNAVAILABLE itself."""
+    order: list = []
+    held, go = threading.Event(), threading.Event()
+
+    def apply(job, call):
+        order.append("step")
+        if len(order) == 1:
+            held.set()
+            assert go.wait(10)
+        return b"ok"
+
+    def call(method, request, context):
+        order.append(f"call {method}")
+        if request == b"boom":
+            raise RuntimeError("the call failed (simulated)")
+        assert context.is_active() and context.time_remaining() is None
+        return grpc.StatusCode.OK, request[::-1]
+    learner, front = _started_relay(
+        lambda data, unary, address: types.SimpleNamespace(close=lambda: None), apply,
+        slots=SlotPool(4, 64), call=call)
+    try:
+        stream = front.open(unary=False, deadline=None)
+        for _ in range(4):
+            assert stream.submit(b"x")
+        assert held.wait(10)   # the first step holds; three requests queue behind it
+        answers: list = []
+        caller = threading.Thread(target=lambda: answers.append(front.call(1, b"abc", None)))
+        caller.start()
+        time.sleep(0.2)
+        go.set()
+        caller.join(10)
+        stream.done_sending()
+        assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 4
+        stream.close()
+        assert answers == [(grpc.StatusCode.OK, b"cba")]
+        assert order.index("call 1") < 3   # after the first step, before the last two
+        code, details = front.call(0, b"boom", None)
+        assert code == grpc.StatusCode.INTERNAL and b"the call failed" in details
+        assert front._free.qsize() == 4   # every slot back, none twice
+    finally:
+        front.close()
+        learner.close()
+    assert front.call(0, b"late", None)[0] == grpc.StatusCode.UNAVAILABLE
+    learner, front = _started_relay(lambda *a: None, lambda job, call: b"")
+    try:
+        assert front.call(0, b"", None)[0] == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        front.close()
+        learner.close()
