@@ -209,8 +209,8 @@ class FrontServer:
         return info
 
     def _connect(self, sock: socket.socket, slots: SlotPool) -> None:
-        """Relay train requests over ``sock`` (slots in ``slots``) and forward the other rpcs
-        to the learner process's private socket."""
+        """Relay train requests and the small rpcs over ``sock`` (slots in ``slots``) and
+        forward the others (SaveCheckpoint) to the learner process's private socket."""
         size = self.options.max_message_bytes
         self._channel = grpc.insecure_channel(f"unix:{self._dir / LEARNER_SOCKET}", options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
@@ -429,7 +429,8 @@ class FrontServer:
                 if self._relay is None:
                     context.abort(grpc.StatusCode.UNAVAILABLE,
                                   "the learner's backend is still starting; retry shortly")
-                code, payload = self._relay.call(method, request, _deadline(context))
+                code, payload = self._relay.call(method, request, _deadline(context),
+                                                 context.add_callback)
                 if code != grpc.StatusCode.OK:
                     context.abort(code, payload.decode(errors="replace"))
                 return payload
@@ -569,6 +570,8 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         return code, details
 
     def call(method: int, request: bytes, context) -> tuple[grpc.StatusCode, bytes]:
+        if not 0 <= method < len(RELAYED_CALLS):
+            return grpc.StatusCode.UNIMPLEMENTED, f"no relayed method {method}".encode()
         name = RELAYED_CALLS[method]
         try:
             return grpc.StatusCode.OK, service.call_relayed(name, request, context)

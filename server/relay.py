@@ -195,8 +195,12 @@ class _Answer:
     def deliver(self, code: grpc.StatusCode, payload: bytes) -> None:
         self._replies.put((code, payload))
 
-    def get(self) -> tuple[grpc.StatusCode, bytes]:
-        return self._replies.get()
+    def get(self, timeout: float | None) -> tuple[grpc.StatusCode, bytes] | None:
+        """The reply; None if none came within ``timeout`` seconds (None: no limit)."""
+        try:
+            return self._replies.get(timeout=None if timeout is None else max(timeout, 0.0))
+        except queue.Empty:
+            return None
 
 
 class RelayFront:
@@ -240,10 +244,14 @@ class RelayFront:
         self._last_id = sid
         return sid
 
-    def call(self, method: int, request: bytes, deadline: float | None
+    def call(self, method: int, request: bytes, deadline: float | None,
+             on_end: Callable[[Callable[[], None]], object] = lambda cancel: None
              ) -> tuple[grpc.StatusCode, bytes]:
         """Relay a small rpc whole (``method``: its index in the learner's table) and
-        wait for its (code, payload); UNAVAILABLE once the learner process is gone."""
+        wait for its (code, payload), until ``deadline`` at most (then DEADLINE_EXCEEDED);
+        UNAVAILABLE once the learner process is gone.  ``on_end`` is given the call's
+        cancel (grpc's ``context.add_callback``): run while the call waits, it asks the
+        learner not to run it."""
         answer = _Answer()
         with self._ids_lock:
             sid = self._new_id()
@@ -252,12 +260,27 @@ class RelayFront:
             if self.alive:   # else the reader, gone, answers no more
                 self._send(_FRAME.pack(CALL, sid, method, len(request), deadline or 0.0),
                            request)
-                return answer.get()
+                on_end(lambda: self._cancel(sid, answer))
+                got = answer.get(None if deadline is None else deadline - time.monotonic())
+                if got is not None:
+                    return got
+                self._cancel(sid, answer)
+                return (grpc.StatusCode.DEADLINE_EXCEEDED,
+                        b"the deadline passed while the call waited for the learner")
         except RelayClosed:
             pass
         finally:
             self._streams.pop(sid, None)
-        return grpc.StatusCode.UNAVAILABLE, b"the learner process went away; retry"
+        return (grpc.StatusCode.UNAVAILABLE,
+                b"the learner process went away; retry (a keyed request with the same key)")
+
+    def _cancel(self, sid: int, answer: "_Answer") -> None:
+        """End call ``sid`` on the learner's side (not run if not yet), unless answered."""
+        if self._streams.get(sid) is answer and self.alive:
+            try:
+                self._send(_FRAME.pack(END, sid, 0, 0, 0.0))
+            except RelayClosed:
+                pass
 
     def take_slot(self, stream: FrontStream) -> int | None:
         """A free slot (waits while all are in use); None if the stream or relay closed."""
@@ -334,7 +357,8 @@ class RelayFront:
             self.closed.set()
             for stream in list(self._streams.values()):
                 stream.deliver(grpc.StatusCode.UNAVAILABLE,
-                               b"the learner process went away; retry with the same key")
+                               b"the learner process went away; retry (a keyed request "
+                               b"with the same key)")
             self.on_close()
 
     def close(self) -> None:
@@ -485,7 +509,7 @@ class RelayLearner:
         # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._received: deque[_Item] = deque()   # not yet prepared
-        self._calls: deque[tuple] = deque()   # CALLs read: (front, id, method, bytes, deadline)
+        self._calls: deque[tuple] = deque()   # CALLs read: (stream, method, bytes, deadline)
         self._prepared: deque[_Item] = deque()   # prepared, not yet stepped (≤ AHEAD + 1)
         self._closing = False         # the first front has gone: drain, then stop
         # A byte on this pair wakes the relay's select: a front attached.
@@ -531,17 +555,19 @@ class RelayLearner:
             self._front_closed(self._fronts[0])
             for item in (*self._prepared, *self._received):   # CANCELLED: their streams ended
                 self._answer(item)
+            self._answer_calls()
         finally:
             self._poll.close()
             self.closed.set()   # already, unless the relay failed
 
     def _loop(self) -> None:
-        """:meth:`_serve`'s loop.  Each pass prepares the next request received (while at
-        most AHEAD wait behind the next to step), reads the frames that came meanwhile,
-        then steps and answers the oldest prepared request once AHEAD are prepared behind
-        it or none is left to prepare.  So a request is stepped only after the frames sent
-        during its preparation are read (an END stops it), and the next one's copy to the
-        device is under way during its step."""
+        """:meth:`_serve`'s loop.  Each pass answers the small rpcs read (CALL), prepares
+        the next request received (while at most AHEAD wait behind the next to step), reads
+        the frames that came meanwhile, then steps and answers the oldest prepared request
+        once AHEAD are prepared behind it or none is left to prepare (a CALL read just then
+        is answered first).  So a request is stepped only after the frames sent during its
+        preparation are read (an END stops it), and the next one's copy to the device is
+        under way during its step."""
         prepared, received = self._prepared, self._received
         while True:
             if self._joining:
@@ -551,11 +577,12 @@ class RelayLearner:
             if received and len(prepared) <= AHEAD:
                 prepared.append(self._prepare_next())
             elif not prepared and self._closing:
-                self._answer_calls()
                 return
             # With a request to step, only look (frames are likely there), else wait for a
             # frame or a wake.
             self._look(0 if prepared else None)
+            if self._calls:   # read just now: answered before the next step
+                continue
             if prepared and (len(prepared) > AHEAD or not received):
                 self._answer(prepared.popleft())
 
@@ -622,6 +649,15 @@ class RelayLearner:
             return False
         unread = front.unread
         unread += chunk
+        if len(chunk) == 1 << 16:   # a large inline frame: take what waits now (≤ 64 MiB)
+            while len(unread) < 1 << 26:
+                try:
+                    chunk = front.sock.recv(1 << 20, socket.MSG_DONTWAIT)
+                except OSError:   # nothing waits
+                    break
+                if not chunk:     # the end: the next look reads it
+                    break
+                unread += chunk
         at, size = 0, _FRAME.size
         while len(unread) - at >= size:
             op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
@@ -645,8 +681,9 @@ class RelayLearner:
                                   else memoryview(payload), deadline)
                 elif op == END:
                     self._end(front, sid)
-                elif op == CALL:
-                    self._calls.append((front, sid, slot, payload, deadline))
+                elif op == CALL:   # an END (a cancel) may follow: a stream of its own
+                    stream = self._streams[front.index, sid] = _LearnerStream(front, sid, True)
+                    self._calls.append((stream, slot, payload, deadline))
                 elif op == REFUSED:
                     method, _, code = payload.decode().rpartition(" ")
                     self._refused(method, code)
@@ -739,17 +776,22 @@ class RelayLearner:
         return item
 
     def _answer_calls(self) -> None:
-        """Run and answer the small rpcs read so far (a failure is answered INTERNAL)."""
+        """Run and answer the small rpcs read so far: one that ended first (an END: the
+        front's cancel; its front gone) is not run, one that fails is answered INTERNAL."""
         while self._calls:
-            front, sid, method, request, deadline = self._calls.popleft()
-            stream = _LearnerStream(front, sid, True)
+            stream, method, request, deadline = self._calls.popleft()
             try:
-                code, payload = self._call(method, request,
-                                           RelayCall(deadline, stream, time.perf_counter(),
-                                                     self._look))
+                if stream.ended:
+                    code, payload = grpc.StatusCode.CANCELLED, b"the call ended before it ran"
+                else:
+                    code, payload = self._call(method, request,
+                                               RelayCall(deadline, stream, time.perf_counter(),
+                                                         self._look))
             except Exception as exc:  # noqa: BLE001 — every call is answered
                 log.exception("a relayed call (method %d) failed", method)
                 code, payload = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}".encode()
+            if self._streams.get((stream.front.index, stream.sid)) is stream:
+                del self._streams[stream.front.index, stream.sid]
             self._reply(stream, NO_SLOT, code, payload)
 
     def _answer(self, item: _Item) -> None:

@@ -187,6 +187,8 @@ def test_token_health_metrics_and_info(tmp_path):
             list(client.train_stream((random_batch(np.random.default_rng(i), 4)
                                       for i in range(5)), window=2))
             assert client.info().step == 5
+            with pytest.raises(client_errors.InvalidArgument):   # relayed, refused there
+                client.act(np.zeros((1, SMALL.hidden_dim + 1), np.float32))
         text = urllib.request.urlopen(
             f"http://127.0.0.1:{front.options.metrics_port}/metrics", timeout=5).read().decode()
         assert "duelq_steps_total 5.0" in text and "duelq_transitions_total 20.0" in text
@@ -195,6 +197,7 @@ def test_token_health_metrics_and_info(tmp_path):
         for method in ("GetInfo", "TrainStep"):                 # refused in the front
             assert (f'duelq_refused_requests_total{{code="UNAUTHENTICATED",method="{method}"}}'
                     f' 1.0') in text
+        assert 'duelq_refused_requests_total{code="INVALID_ARGUMENT",method="Act"} 1.0' in text
         feed: queue.SimpleQueue = queue.SimpleQueue()   # max_streams open, then one more
         good = (("authorization", "Bearer s3cret"),)
         stub = pb_grpc.LearnerStub(channel)
@@ -795,6 +798,9 @@ def test_a_dead_learner_process_turns_the_front_unavailable():
         code, _ = _refusal(lambda: pb_grpc.LearnerStub(channel).TrainStep(
             encode_batch(random_batch(np.random.default_rng(0), 4)), timeout=5))
         assert code == grpc.StatusCode.UNAVAILABLE
+        code, _ = _refusal(lambda: pb_grpc.LearnerStub(channel).Act(
+            pb.ActRequest(h=encode(np.zeros((1, SMALL.hidden_dim), np.float32), "h")), timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE   # a small rpc, relayed
         with LearnerClient(front.target, retries=0) as client:
             with pytest.raises(client_errors.Unavailable):
                 client.train_step(random_batch(np.random.default_rng(1), 4))
@@ -1033,7 +1039,7 @@ def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
         assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 4
         stream.close()
         assert answers == [(grpc.StatusCode.OK, b"cba")]
-        assert order.index("call 1") < 3   # after the first step, before the last two
+        assert order.index("call 1") == 1   # right after the step it came during
         code, details = front.call(0, b"boom", None)
         assert code == grpc.StatusCode.INTERNAL and b"the call failed" in details
         assert front._free.qsize() == 4   # every slot back, none twice
@@ -1045,5 +1051,53 @@ def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
     try:
         assert front.call(0, b"", None)[0] == grpc.StatusCode.UNIMPLEMENTED
     finally:
+        front.close()
+        learner.close()
+
+
+def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
+    """Behind a step that holds the learner: a call whose deadline passes is answered
+    DEADLINE_EXCEEDED by the front at its deadline, one cancelled (grpc's callback) is
+    answered by the learner CANCELLED; neither runs once the step is done."""
+    held, go = threading.Event(), threading.Event()
+    ran: list = []
+
+    def apply(job, call):
+        held.set()
+        assert go.wait(10)
+        return b"ok"
+
+    def call(method, request, context):
+        ran.append(request)
+        return grpc.StatusCode.OK, b""
+    learner, front = _started_relay(
+        lambda data, unary, address: types.SimpleNamespace(close=lambda: None), apply,
+        call=call)
+    try:
+        stream = front.open(unary=True, deadline=None)
+        assert stream.submit(b"x")
+        assert held.wait(10)
+        start = time.monotonic()
+        code, _ = front.call(0, b"late", start + 0.1)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 2
+        cancels, answers = [], []
+        caller = threading.Thread(target=lambda: answers.append(
+            front.call(0, b"cancelled", None, cancels.append)))
+        caller.start()
+        for _ in range(100):
+            if cancels:
+                break
+            time.sleep(0.01)
+        cancels[0]()
+        go.set()
+        caller.join(10)
+        assert answers == [(grpc.StatusCode.CANCELLED, b"the call ended before it ran")]
+        assert front.call(0, b"on time", None) == (grpc.StatusCode.OK, b"")
+        stream.done_sending()
+        assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK]
+        stream.close()
+        assert ran == [b"on time"]
+    finally:
+        go.set()
         front.close()
         learner.close()
