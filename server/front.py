@@ -70,6 +70,7 @@ START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
 FRONT_START_TIMEOUT_S = 60.0
 STOP_ACK_TIMEOUT_S = 5.0    # for another front to take in that the learner is stopping
+_STARTING = "the learner's backend is still starting; retry shortly"
 LEARNER_SOCKET, RELAY_SOCKET = "learner.sock", "relay.sock"   # in the private directory
 
 
@@ -348,7 +349,7 @@ class FrontServer:
         relay = self._relay
         try:
             if relay is None:
-                raise RelayClosed("the learner's backend is still starting; retry shortly")
+                raise RelayClosed(_STARTING)
             stream = relay.open(unary=unary, deadline=_deadline(context))
         except RelayClosed as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -428,7 +429,7 @@ class FrontServer:
             def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
                 if self._relay is None:
                     context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  "the learner's backend is still starting; retry shortly")
+                                  _STARTING)
                 code, payload = self._relay.call(method, request, _deadline(context),
                                                  context.add_callback)
                 if code != grpc.StatusCode.OK:
@@ -440,7 +441,7 @@ class FrontServer:
             call = self._calls.get(name)
             if call is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE,
-                              "the learner's backend is still starting; retry shortly")
+                              _STARTING)
             deadline = _deadline(context)
             future = call.future(request, timeout=None if deadline is None else
                                  max(deadline - time.monotonic(), 0.0))

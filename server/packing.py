@@ -70,14 +70,12 @@ def _described(descriptor: bytes) -> tuple[int, int, np.dtype, bool, int]:
 class _Plan:
     """How the requests of one layout pack: their arrays' copies and descriptor."""
 
-    __slots__ = ("copies", "nbytes", "descriptor", "key")
+    __slots__ = ("copies", "nbytes", "descriptor")
 
-    def __init__(self, copies: tuple, nbytes: int, descriptor: bytes,
-                 key: tuple[int, int] | None):
+    def __init__(self, copies: tuple, nbytes: int, descriptor: bytes):
         self.copies = copies            # ((request offset, packed offset, bytes), …)
         self.nbytes = nbytes            # bytes of the packed layout
         self.descriptor = descriptor    # DESCRIPTOR's bytes
-        self.key = key                  # (start, stop) of the key's bytes, or None
 
 
 def _plan(data: bytes) -> tuple[object, _Plan | None]:
@@ -107,7 +105,7 @@ def _plan(data: bytes) -> tuple[object, _Plan | None]:
     copies = tuple((t.offset, at, a.nbytes) for t, at, a in zip(tensors, offsets, arrays))
     descriptor = DESCRIPTOR.pack(rows, h_t.shape[1], FEATURE_DTYPES.index(h_t.dtype),
                                  has_weights)
-    return layout, _Plan(copies, 4 * words, descriptor, layout.key)
+    return layout, _Plan(copies, 4 * words, descriptor)
 
 
 class Packer:
@@ -133,8 +131,8 @@ class Packer:
         if plan is None or plan.nbytes > slot.size:
             return None
         key = b""
-        if plan.key is not None:
-            key = data[plan.key[0]:plan.key[1]]
+        if layout.key is not None:   # (start, stop) of the key's bytes
+            key = data[layout.key[0]:layout.key[1]]
             try:
                 pb.RequestKey.FromString(key)
             except Exception:  # noqa: BLE001 — upb's DecodeError: the learner words it

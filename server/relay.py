@@ -55,6 +55,7 @@ _REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 INLINE = -1
 NO_SLOT = -(1 << 31)   # a CALL's REPLY: no slot to give back
+_GONE = b"the learner process went away; retry (a keyed request with the same key)"
 MAX_STREAM_ID = (1 << 32) - 1
 
 
@@ -271,8 +272,7 @@ class RelayFront:
             pass
         finally:
             self._streams.pop(sid, None)
-        return (grpc.StatusCode.UNAVAILABLE,
-                b"the learner process went away; retry (a keyed request with the same key)")
+        return grpc.StatusCode.UNAVAILABLE, _GONE
 
     def _cancel(self, sid: int, answer: "_Answer") -> None:
         """End call ``sid`` on the learner's side (not run if not yet), unless answered."""
@@ -356,9 +356,7 @@ class RelayFront:
             self.alive = False
             self.closed.set()
             for stream in list(self._streams.values()):
-                stream.deliver(grpc.StatusCode.UNAVAILABLE,
-                               b"the learner process went away; retry (a keyed request "
-                               b"with the same key)")
+                stream.deliver(grpc.StatusCode.UNAVAILABLE, _GONE)
             self.on_close()
 
     def close(self) -> None:
