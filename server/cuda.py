@@ -36,7 +36,7 @@ from cupy_backends.cuda.api import driver
 
 from ..kernels import source
 from .backend import Backend, StepOutputs, Upload
-from .batch import BFLOAT16, Batch, PackedBatch
+from .batch import BFLOAT16, Batch, PackedBatch, packed_layout
 from .config import LearnerConfig
 from .native import Native, NativeUnavailable, StepCall, UploadCall, load as load_native
 from .state import LearnerState, Params
@@ -163,21 +163,19 @@ class _Staging:
                                     cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
     def pack(self, batch: Batch) -> int:
-        """Write ``batch`` in the kernel's packed input layout (features in their own dtype,
-        then 32-bit words); returns the words used."""
-        B, H = batch.size, batch.h_t.shape[1]
-        BH, size = B * H, batch.h_t.dtype.itemsize  # float32: 4; float16, bfloat16: 2
-        feature_words = 2 * BH * size // 4
-        words = feature_words + (5 if batch.weights is not None else 4) * B
+        """Write ``batch`` in the kernel's packed input layout (:func:`packed_layout`: the
+        features in their own dtype, then 32-bit words); returns the words used."""
+        B, size = batch.size, batch.h_t.dtype.itemsize  # float32: 4; float16, bfloat16: 2
+        offsets, words = packed_layout(B, batch.h_t.shape[1], size, batch.weights is not None)
         host = self.reserve(words)
         raw = host if size == 4 else host.view(np.uint16)  # elements of the features' size
-        raw[:BH] = batch.h_t.reshape(-1).view(raw.dtype)
-        raw[BH:2 * BH] = batch.h_tp1.reshape(-1).view(raw.dtype)
-        tail = host[feature_words:]
-        tail[:B].view(np.int32)[:] = batch.actions
-        for i, column in enumerate((batch.rewards, batch.dones, batch.discounts, batch.weights)):
-            if column is not None:
-                tail[(i + 1) * B:(i + 2) * B] = column
+        for at, h in zip(offsets[:2], (batch.h_t, batch.h_tp1)):
+            raw[at // size:at // size + h.size] = h.reshape(-1).view(raw.dtype)
+        at = offsets[2] // 4
+        host[at:at + B].view(np.int32)[:] = batch.actions
+        for at, column in zip(offsets[3:], (batch.rewards, batch.dones, batch.discounts,
+                                            batch.weights)):   # weights: absent when None
+            host[at // 4:at // 4 + B] = column
         return words
 
 
