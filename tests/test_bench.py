@@ -152,3 +152,64 @@ def test_null_and_timed_backends_keep_the_learner_contract():
         assert result.step == step and result.td_errors.shape == (8,)
     assert learner.backend.name == "null" and learner.backend.seconds > 0
     assert learner.weights()[1] == 2
+
+
+def _bench_doc(ratios: dict[str, float], steps: float) -> dict:
+    """A bench.json's rows with the given TrainStream ratios (and an echo row)."""
+    rows = [{"kind": "echo", "wire": "float32", "steps_per_s": 1000.0}]
+    for wire, ratio in ratios.items():
+        rows.append({"kind": "stream", "wire": wire, "steps_per_s": steps,
+                     "vs_echo": ratio, "vs_echo_f32": ratio})
+    return {"rows": rows}
+
+
+def test_compare_runs_summarises_each_configuration(tmp_path):
+    """benchmarks/compare_runs.py on hand-made runs: medians, ranges and the cells that met
+    each goal (float32 ≥ 0.9 of its echo, 16-bit ≥ 1.8×), from a file of runs and from
+    bench.json files named by their folder; the PNG is written; a bad file exits 2."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_runs.py"
+    runs = {"runs": [
+        {"config": "A", "bench": _bench_doc({"float32": 0.8, "float16": 1.7}, 100)},
+        {"config": "A", "bench": _bench_doc({"float32": 1.0, "float16": 1.9}, 300)},
+        {"config": "A", "bench": _bench_doc({"float32": 1.2, "float16": 2.1}, 200)}]}
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    (tmp_path / "B").mkdir()
+    (tmp_path / "B" / "bench.json").write_text(json.dumps(_bench_doc({"bfloat16": 1.5}, 50)))
+    png = tmp_path / "compare.png"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs.json"),
+                           str(tmp_path / "B" / "bench.json"), "--png", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| A") or
+            line.startswith("| B")}
+    assert rows["A"] == ["3", "1.00 (0.80–1.20), 2 of 3, 200", "1.90 (1.70–2.10), 2 of 3, 200",
+                         "—"]
+    assert rows["B"] == ["1", "—", "—", "1.50 (1.50–1.50), 0 of 1, 50"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text("{}")
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "bad.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
+
+
+def test_unary_latency_times_the_small_rpcs_beside_streaming_actors():
+    """benchmarks/unary_latency.py with --stream-actors: a row per small rpc for both server
+    models (figures not checked beyond being there) and the actors' steps/s for each."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "unary_latency.py"
+    done = subprocess.run([sys.executable, str(script), "--stream-actors", "1",
+                           "--seconds", "0.2"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"^\| (Act, B = 1|Act, B = 64|GetWeights|ReadISV|GetInfo) \| (\d+) / "
+                      r"(\d+) \| (\d+) / (\d+) \| [+-]\d+ \|$", done.stdout, re.MULTILINE)
+    assert len(rows) == 5, done.stdout
+    for _, *figures in rows:
+        p50, p99, front_p50, front_p99 = map(int, figures)
+        assert 0 < p50 <= p99 and 0 < front_p50 <= front_p99
+    streams = re.findall(r"^(one process|front process): the actors' TrainStream (\d+) steps/s$",
+                         done.stdout, re.MULTILINE)
+    assert [mode for mode, _ in streams] == ["one process", "front process"], done.stdout
+    assert all(int(steps) > 0 for _, steps in streams)
+    bad = subprocess.run([sys.executable, str(script), "--seconds", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--seconds" in bad.stderr
