@@ -19,10 +19,13 @@ export PYTHONUNBUFFERED=1
 cd "$ROOT"
 mkdir -p "$DEST"
 duelq() { "$PY" -m duelq.server.cli "$@"; }
-duelq --log-level WARNING serve --backend cuda --front-process --front-processes "${FRONTS:-1}" \
-    --port 50061 >"$DEST/front.log" 2>&1 &
+# Started without the function, so that $! is the server itself and the trap's SIGTERM
+# stops it (a function in the background runs in a subshell, which the signal would stop).
+"$PY" -m duelq.server.cli --log-level WARNING serve --backend cuda --front-process \
+    --front-processes "${FRONTS:-1}" --port 50061 >"$DEST/front.log" 2>&1 &
 FRONT=$!
-duelq --log-level WARNING serve --backend cuda --port 50062 >"$DEST/plain.log" 2>&1 &
+"$PY" -m duelq.server.cli --log-level WARNING serve --backend cuda --port 50062 \
+    >"$DEST/plain.log" 2>&1 &
 PLAIN=$!
 trap 'kill -TERM $FRONT $PLAIN 2>/dev/null; wait' EXIT
 for port in 50061 50062; do
@@ -32,10 +35,10 @@ done
 # CPU seconds of the front processes (all K) and of the learner process, and the learner's
 # step count, as JSON.  The learner process is the child listening on learner.sock.
 probe() {
-    "$PY" - "$(pgrep -f 'front-process --front-processes .* --port 50061' | head -1)" <<'PROBE'
+    "$PY" - "$FRONT" <<'PROBE'
 import json, os, sys
 from duelq.client import LearnerClient
-front = int(sys.argv[1])   # the first front's python, not the shell function's subshell
+front = int(sys.argv[1])   # the first front process
 tick = os.sysconf("SC_CLK_TCK")
 def cpu(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
