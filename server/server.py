@@ -149,7 +149,8 @@ class ServerOptions:
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
         need(1 <= self.front_processes <= 64, "front_processes", "must be in [1, 64]")
         need(self.front_processes == 1 or self.front_process, "front_processes",
-             "more than 1 needs front_process")
+             "more than 1 needs front_process; with front_process off set it to 1 too "
+             "(DUELQ_FRONT_PROCESSES=1: the Docker image sets 8)")
         need(self.relay_slots >= 1, "relay_slots", "must be ≥ 1")
         need(self.host_calls in HOST_CALLS, "host_calls", f"must be one of {tuple(HOST_CALLS)}")
         need(1 / 16 <= self.relay_slot_mb <= 1024, "relay_slot_mb", "must be in [1/16, 1024]")

@@ -54,6 +54,10 @@ def test_flags_read_environment_variables_and_the_command_line_wins(monkeypatch)
     (["serve", "--host-calls", "fast"], {}, "--host-calls: must be one of ('auto', 'native'"),
     (["demo", "--actors", "0"], {}, "--actors: must be ≥ 1"),
     (["--log-level", "LOUD", "serve"], {}, "unknown level"),
+    # the Docker image's 8 fronts kept while its front process is turned off
+    (["serve"], {"DUELQ_FRONT_PROCESS": "0", "DUELQ_FRONT_PROCESSES": "8"},
+     "--front-processes: more than 1 needs front_process; with front_process off set it "
+     "to 1 too"),
 ])
 def test_bad_configuration_exits_2_naming_the_flag(monkeypatch, capsys, argv, env, message):
     for name, value in env.items():
