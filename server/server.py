@@ -107,7 +107,8 @@ class ServerOptions:
     longer share one GIL (see docs/benchmarks.md)."""
     front_processes: int = 1
     """With ``front_process``: gRPC front processes sharing the port (SO_REUSEPORT: the kernel
-    spreads connections over them), each with a GIL of its own."""
+    spreads connections over them), each with a GIL of its own; ignored (with a warning)
+    without it."""
     relay_slots: int = 32
     """With ``front_process``: train requests in flight between each front and the learner."""
     relay_slot_mb: float = 8.0
@@ -148,9 +149,6 @@ class ServerOptions:
         need(self.checkpoint_every_seconds >= 0, "checkpoint_every_seconds", "must be ≥ 0")
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
         need(1 <= self.front_processes <= 64, "front_processes", "must be in [1, 64]")
-        need(self.front_processes == 1 or self.front_process, "front_processes",
-             "more than 1 needs front_process; with front_process off set it to 1 too "
-             "(DUELQ_FRONT_PROCESSES=1: the Docker image sets 8)")
         need(self.relay_slots >= 1, "relay_slots", "must be ≥ 1")
         need(self.host_calls in HOST_CALLS, "host_calls", f"must be one of {tuple(HOST_CALLS)}")
         need(1 / 16 <= self.relay_slot_mb <= 1024, "relay_slot_mb", "must be in [1/16, 1024]")
@@ -481,6 +479,9 @@ def make_server(options: ServerOptions, *,
     """A :class:`LearnerServer`, or a :class:`~duelq.server.front.FrontServer` with
     ``front_process``; not started."""
     if not options.front_process:
+        if options.front_processes > 1:   # e.g. the Docker image's 8 with DUELQ_FRONT_PROCESS=0
+            log.warning("front_processes=%d is ignored: front_process is off, so the server "
+                        "runs in one process", options.front_processes)
         return LearnerServer(options, interceptors=interceptors)
     from .front import FrontServer
     if interceptors:

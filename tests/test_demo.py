@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import pytest
 from duelq.client import LearnerClient
 from duelq.server import cli
 from duelq.server.config import LearnerConfig
-from duelq.server.server import ServerOptions
+from duelq.server.server import LearnerServer, ServerOptions, make_server
 
 from conftest import SMALL
 
@@ -45,6 +46,20 @@ def test_flags_read_environment_variables_and_the_command_line_wins(monkeypatch)
     assert (config.double_dqn, config.isv_slots, config.lr) == (True, {"a": 1, "b": 2}, 0.5)
 
 
+def test_front_processes_without_the_front_process_serve_from_one_process(monkeypatch, caplog):
+    """The Docker image's DUELQ_FRONT_PROCESSES=8 with its front process turned off (its
+    DUELQ_FRONT_PROCESS=0 or --no-front-process): one process, and a warning says so."""
+    monkeypatch.setenv("DUELQ_FRONT_PROCESS", "1")
+    monkeypatch.setenv("DUELQ_FRONT_PROCESSES", "8")
+    args = cli.build_parser().parse_args(["serve", "--no-front-process"])
+    options = cli.from_args(ServerOptions, args)
+    assert (options.front_process, options.front_processes) == (False, 8)
+    with caplog.at_level(logging.WARNING, logger="duelq.server.server"):
+        server = make_server(dataclasses.replace(options, port=0))
+    assert type(server) is LearnerServer
+    assert "front_processes=8 is ignored: front_process is off" in caplog.text
+
+
 @pytest.mark.parametrize("argv, env, message", [
     (["serve", "--lr", "-1"], {}, "--lr: must be > 0"),
     (["serve", "--max-streams", "9", "--max-rpcs", "9"], {}, "--max-rpcs: must exceed"),
@@ -54,10 +69,6 @@ def test_flags_read_environment_variables_and_the_command_line_wins(monkeypatch)
     (["serve", "--host-calls", "fast"], {}, "--host-calls: must be one of ('auto', 'native'"),
     (["demo", "--actors", "0"], {}, "--actors: must be ≥ 1"),
     (["--log-level", "LOUD", "serve"], {}, "unknown level"),
-    # the Docker image's 8 fronts kept while its front process is turned off
-    (["serve"], {"DUELQ_FRONT_PROCESS": "0", "DUELQ_FRONT_PROCESSES": "8"},
-     "--front-processes: more than 1 needs front_process; with front_process off set it "
-     "to 1 too"),
 ])
 def test_bad_configuration_exits_2_naming_the_flag(monkeypatch, capsys, argv, env, message):
     for name, value in env.items():
