@@ -117,4 +117,5 @@ def test_install_entrypoint_and_healthcheck_in_a_fresh_venv(parsed, tmp_path):
         _, log = server.communicate(timeout=30)
     assert server.returncode == 0, log
     assert "backend auto: reference" in log  # cupy installed, no GPU: the fallback says why
+    assert f"from {parser.envs['DUELQ_FRONT_PROCESSES']} front processes" in log
     assert shlex.join(entrypoint) == "duelq serve"
