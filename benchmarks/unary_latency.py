@@ -11,7 +11,9 @@ servers (same config, fresh state) and times Act (B = 1 and 64), GetWeights, Rea
 GetInfo through the client library, one call at a time: p50 and p99 in µs, and the front's
 extra p50.  With ``--stream-actors N``, N actor processes (the bench's) stream B = 1024
 float32 batches through TrainStream all the while, each rpc is timed for ``--seconds``
-instead of ``--calls`` times, and the table gives the actors' steps/s.  Prints a table.
+instead of ``--calls`` times, once the server has stepped, and all within the actors'
+streaming (else exit 1, as when an actor fails); the table gives the actors' steps/s.
+Prints a table.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def timings(client: LearnerClient, config: LearnerConfig, calls: int,
                            client.get_weights, client.read_isv, client.info)))
     out = {}
     for name, call in rpcs.items():
-        for _ in range(50):
-            call()   # warm up
+        for _ in range(50 if seconds is None else 20):
+            call()   # warm up (fewer beside the streams, where each call is slower)
         times: list[float] = []
         end = None if seconds is None else time.perf_counter() + seconds
         while len(times) < calls if end is None else time.perf_counter() < end:
@@ -53,25 +55,50 @@ def timings(client: LearnerClient, config: LearnerConfig, calls: int,
     return out
 
 
-def streamed(pool: ActorPool, target: str, config: LearnerConfig, options: ServerOptions,
-             seconds: float) -> tuple[threading.Thread, dict]:
-    """Start the pool's actors streaming to ``target`` for ``seconds`` after a warm-up;
-    the thread running them and the dict its steps/s (or error) lands in."""
-    job = {"kind": "stream", "batch": 1024, "wire": "float32", "target": target,
-           "hidden_dim": config.hidden_dim, "n_actions": config.n_actions, "window": 8,
-           "max_message_bytes": options.max_message_bytes, "seed": 7, "channel_options": (),
-           "tune_malloc": False, "token": "", "ready_timeout": 60.0}
-    result: dict = {}
+class Streams:
+    """The pool's actors streaming B = 1024 float32 batches to ``target`` for ``seconds``
+    after a warm-up, run from a thread."""
 
-    def run() -> None:
-        try:
-            reports = pool.run([dict(job) for _ in pool.procs], WARMUP_S, seconds)
-            result["steps_per_s"] = sum(len(r["latencies"]) for r in reports) / seconds
-        except Exception as exc:  # noqa: BLE001 — reported in the table
-            result["error"] = f"{type(exc).__name__}: {exc}"
-    thread = threading.Thread(target=run, name="stream-actors")
-    thread.start()
-    return thread, result
+    def __init__(self, pool: ActorPool, target: str, config: LearnerConfig,
+                 options: ServerOptions, seconds: float):
+        job = {"kind": "stream", "batch": 1024, "wire": "float32", "target": target,
+               "hidden_dim": config.hidden_dim, "n_actions": config.n_actions, "window": 8,
+               "max_message_bytes": options.max_message_bytes, "seed": 7,
+               "channel_options": (), "tune_malloc": False, "token": "",
+               "ready_timeout": 60.0}
+        self.seconds, self.result = seconds, {}
+        # The actors start once all are ready, so they stream at least until then.
+        self.streaming_until = time.monotonic() + WARMUP_S + seconds
+
+        def run() -> None:
+            try:
+                reports = pool.run([dict(job) for _ in pool.procs], WARMUP_S, seconds)
+                self.result["steps"] = sum(len(r["latencies"]) for r in reports)
+            except Exception as exc:  # noqa: BLE001 — raised by finish()
+                self.result["error"] = f"{type(exc).__name__}: {exc}"
+        self.thread = threading.Thread(target=run, name="stream-actors")
+        self.thread.start()
+
+    def wait_streaming(self, client: LearnerClient, steps: int = 20,
+                       timeout: float = 60.0) -> None:
+        """Return once the server has stepped ``steps`` times since the call."""
+        first, deadline = client.info().step, time.monotonic() + timeout
+        while client.info().step < first + steps:
+            if not self.thread.is_alive():
+                self.finish()   # exits with the actors' error, if any
+                raise SystemExit("unary_latency: the actors ended before the server stepped")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"unary_latency: the server did not step {steps} times in "
+                                 f"{timeout:g} s of streaming")
+            time.sleep(0.05)
+
+    def finish(self) -> float:
+        """The actors' steps/s, once they are done; exits 1 if they failed."""
+        self.thread.join()
+        if "error" in self.result:
+            raise SystemExit(f"unary_latency: the streaming actors failed: "
+                             f"{self.result['error']}")
+        return self.result["steps"] / self.seconds
 
 
 def main() -> None:
@@ -84,13 +111,14 @@ def main() -> None:
                         help="seconds per rpc with --stream-actors")
     parser.add_argument("--front-processes", type=int, default=1)
     args = parser.parse_args()
-    if args.calls < 1 or args.stream_actors < 0 or args.seconds <= 0 or args.front_processes < 1:
-        parser.error("--calls, --seconds and --front-processes must be positive, "
-                     "--stream-actors not negative")
+    if args.calls < 1 or args.stream_actors < 0 or args.seconds <= 0 \
+            or not 1 <= args.front_processes <= 64:
+        parser.error("--calls and --seconds must be positive, --stream-actors not negative, "
+                     "--front-processes in [1, 64]")
     config = LearnerConfig()
     seconds = args.seconds if args.stream_actors else None
     pool = ActorPool(args.stream_actors) if args.stream_actors else None
-    results, streams = {}, {}
+    results, rates = {}, {}
     try:
         for mode, front in (("one process", False), ("front process", True)):
             options = ServerOptions(port=0, front_process=front,
@@ -99,13 +127,20 @@ def main() -> None:
             try:
                 with LearnerClient(server.target) as client:
                     client.wait_ready(60.0)
-                    if pool is not None:
-                        thread, streams[mode] = streamed(pool, server.target, config, options,
-                                                         len(RPCS) * (seconds + 0.5) + 2)
-                        time.sleep(WARMUP_S + 1)
-                    results[mode] = timings(client, config, args.calls, seconds)
-                    if pool is not None:
-                        thread.join()
+                    if pool is None:
+                        results[mode] = timings(client, config, args.calls, None)
+                        continue
+                    # room for each rpc's warm-up calls and for the streams to start
+                    streams = Streams(pool, server.target, config, options,
+                                      len(RPCS) * (seconds + 0.5) + 3)
+                    try:
+                        streams.wait_streaming(client)
+                        results[mode] = timings(client, config, args.calls, seconds)
+                        if time.monotonic() > streams.streaming_until:
+                            raise SystemExit("unary_latency: the actors may have stopped "
+                                             "streaming before the timings ended")
+                    finally:
+                        rates[mode] = streams.finish()   # before the pool is reused or closed
             finally:
                 server.stop(0)
     finally:
@@ -121,9 +156,8 @@ def main() -> None:
                     for m in ("one process", "front process"))
         print(f"| {name} | {one[0]:.0f} / {one[1]:.0f} | {two[0]:.0f} / {two[1]:.0f} | "
               f"{two[0] - one[0]:+.0f} |")
-    for mode, stream in streams.items():
-        print(f"{mode}: the actors' TrainStream " + (f"{stream['steps_per_s']:.0f} steps/s"
-              if "steps_per_s" in stream else f"failed: {stream.get('error')}"))
+    for mode, rate in rates.items():
+        print(f"{mode}: the actors' TrainStream {rate:.0f} steps/s")
 
 
 if __name__ == "__main__":
