@@ -7,9 +7,11 @@ Each argument is a bench.json (its configuration named by its folder) or a file 
 ``{"runs": [{"config": …, "call": …, "bench": {bench.json's content}}, …]}``, as
 docs/bench-h200-round14.json.  For each configuration, in order of first appearance: the
 runs, TrainStream's float32 ratio to its byte stream, the 16-bit streams' ratio to the
-float32 byte stream (issue 5's goals: ≥ 0.90 and ≥ 1.8×), the cells that met each goal, and
-the median steps/s.  Prints a markdown table; ``--png`` also plots every run's ratios.
-Exit status 2 when an argument cannot be read or holds no TrainStream row.
+float32 byte stream (issue 5's goals: ≥ 0.90 and ≥ 1.8×), the runs that met each goal (a
+run without the cell, or whose cell failed, did not), and the median steps/s, all at
+``--batch`` (1024) in the by-batch-size table, on the server's backend.  Prints a
+markdown table; ``--png`` also plots every run's ratios.  Exit status 2 when an argument
+cannot be read or no run holds such a TrainStream row.
 """
 
 from __future__ import annotations
@@ -39,22 +41,27 @@ def load(paths: list[str]) -> dict[str, list[dict]]:
     return configs
 
 
-def stream(rows: list[dict], wire: str) -> dict | None:
-    """The run's B = 1024-or-only TrainStream row of ``wire`` (the first one found)."""
-    return next((r for r in rows if r["kind"] == "stream" and r["wire"] == wire
-                 and "error" not in r), None)
+def stream(rows: list[dict], wire: str, batch: int) -> dict | None:
+    """The run's TrainStream row of ``wire`` at ``batch`` in the by-batch-size table, on the
+    learner's own backend (not the bench's null one); None if it has none or it failed."""
+    found = next((r for r in rows if r["kind"] == "stream" and r["wire"] == wire
+                  and r["batch"] == batch and r.get("section", "main") == "main"
+                  and r.get("backend") != "null"), None)
+    return None if found is None or "error" in found else found
 
 
-def summary(configs: dict[str, list[dict]]) -> list[dict]:
+def summary(configs: dict[str, list[dict]], batch: int) -> list[dict]:
+    """Per configuration and cell: the ratios found, how many runs met the goal (a run
+    without the cell, or whose cell failed, did not), and the steps/s."""
     out = []
     for config, runs in configs.items():
         entry = {"config": config, "runs": len(runs)}
         for label, wire, key, goal in CELLS:
-            found = [r for r in (stream(rows, wire) for rows in runs)
+            found = [r for r in (stream(rows, wire, batch) for rows in runs)
                      if r is not None and r.get(key) is not None]
             ratios = [r[key] for r in found]
             entry[label] = {"ratios": ratios, "met": sum(x >= goal for x in ratios),
-                            "steps_per_s": [r["steps_per_s"] for r in found]}
+                            "of": len(runs), "steps_per_s": [r["steps_per_s"] for r in found]}
         out.append(entry)
     return out
 
@@ -72,7 +79,7 @@ def table(entries: list[dict]) -> str:
                 continue
             x = c["ratios"]
             cells.append(f"{np.median(x):.2f} ({min(x):.2f}–{max(x):.2f}), {c['met']} of "
-                         f"{len(x)}, {np.median(c['steps_per_s']):.0f}")
+                         f"{c['of']}, {np.median(c['steps_per_s']):.0f}")
         lines.append(f"| {e['config']} | {e['runs']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -103,16 +110,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="bench.json files or files of runs")
     parser.add_argument("--png", type=Path, help="also plot every run's ratios here")
+    parser.add_argument("--batch", type=int, default=1024, help="B of the rows compared")
     args = parser.parse_args()
     try:
-        configs = load(args.files)
+        entries = summary(load(args.files), args.batch)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"compare_runs: cannot read the runs: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 2
-    entries = summary(configs)
     if not any(e[label]["ratios"] for e in entries for label, *_ in CELLS):
-        print("compare_runs: no TrainStream row with ratios in the runs given", file=sys.stderr)
+        print(f"compare_runs: no TrainStream row at B = {args.batch} with ratios in the runs "
+              "given", file=sys.stderr)
         return 2
     print(table(entries))
     if args.png:

@@ -154,43 +154,55 @@ def test_null_and_timed_backends_keep_the_learner_contract():
     assert learner.weights()[1] == 2
 
 
-def _bench_doc(ratios: dict[str, float], steps: float) -> dict:
-    """A bench.json's rows with the given TrainStream ratios (and an echo row)."""
-    rows = [{"kind": "echo", "wire": "float32", "steps_per_s": 1000.0}]
+def _bench_doc(ratios: dict[str, float | None], steps: float) -> dict:
+    """A bench.json's rows with the given B = 1024 TrainStream ratios (None: the cell
+    failed), behind rows the summary must pass over: B = 256, the null backend."""
+    rows = [{"kind": "echo", "backend": "echo", "batch": 1024, "wire": "float32",
+             "steps_per_s": 1000.0}]
+    for wire in ratios:
+        rows += [{"kind": "stream", "backend": "cuda", "batch": 256, "wire": wire,
+                  "steps_per_s": 1.0, "vs_echo": 9.0, "vs_echo_f32": 9.0},
+                 {"kind": "stream", "backend": "null", "batch": 1024, "wire": wire,
+                  "steps_per_s": 1.0, "vs_echo": 9.0, "vs_echo_f32": 9.0}]
     for wire, ratio in ratios.items():
-        rows.append({"kind": "stream", "wire": wire, "steps_per_s": steps,
-                     "vs_echo": ratio, "vs_echo_f32": ratio})
+        row = {"kind": "stream", "backend": "cuda", "batch": 1024, "wire": wire,
+               "steps_per_s": steps}
+        rows.append({**row, "error": "an actor died"} if ratio is None else
+                    {**row, "vs_echo": ratio, "vs_echo_f32": ratio})
     return {"rows": rows}
 
 
 def test_compare_runs_summarises_each_configuration(tmp_path):
-    """benchmarks/compare_runs.py on hand-made runs: medians, ranges and the cells that met
-    each goal (float32 ≥ 0.9 of its echo, 16-bit ≥ 1.8×), from a file of runs and from
-    bench.json files named by their folder; the PNG is written; a bad file exits 2."""
+    """benchmarks/compare_runs.py on hand-made runs: medians, ranges and the runs that met
+    each goal (float32 ≥ 0.9 of its echo, 16-bit ≥ 1.8×; a failed cell did not), from the
+    B = 1024 rows of the server's backend, from a file of runs and from bench.json files
+    named by their folder; the PNG is written; bad input exits 2."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_runs.py"
     runs = {"runs": [
-        {"config": "A", "bench": _bench_doc({"float32": 0.8, "float16": 1.7}, 100)},
-        {"config": "A", "bench": _bench_doc({"float32": 1.0, "float16": 1.9}, 300)},
-        {"config": "A", "bench": _bench_doc({"float32": 1.2, "float16": 2.1}, 200)}]}
+        {"config": "A", "bench": _bench_doc({"float32": 0.8, "float16": 1.8}, 100)},
+        {"config": "A", "bench": _bench_doc({"float32": 0.9, "float16": 1.79}, 400)},
+        {"config": "A", "bench": _bench_doc({"float32": 1.6, "float16": None}, 200)}]}
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     (tmp_path / "B").mkdir()
-    (tmp_path / "B" / "bench.json").write_text(json.dumps(_bench_doc({"bfloat16": 1.5}, 50)))
+    (tmp_path / "B" / "bench.json").write_text(json.dumps(_bench_doc({"bfloat16": 2.5}, 50)))
     png = tmp_path / "compare.png"
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs.json"),
                            str(tmp_path / "B" / "bench.json"), "--png", str(png)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in done.stdout.splitlines() if line.startswith("| A") or
-            line.startswith("| B")}
-    assert rows["A"] == ["3", "1.00 (0.80–1.20), 2 of 3, 200", "1.90 (1.70–2.10), 2 of 3, 200",
-                         "—"]
-    assert rows["B"] == ["1", "—", "—", "1.50 (1.50–1.50), 0 of 1, 50"]
+            for line in done.stdout.splitlines() if line.startswith(("| A", "| B"))}
+    assert rows["A"] == ["3", "0.90 (0.80–1.60), 2 of 3, 200",
+                         "1.79 (1.79–1.80), 1 of 3, 250", "—"]
+    assert rows["B"] == ["1", "—", "—", "2.50 (2.50–2.50), 1 of 1, 50"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (tmp_path / "bad.json").write_text("{}")
-    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "bad.json")],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "cannot read" in bad.stderr
+    for name, text in (("empty.json", "{}"), ("rowless.json", '{"rows": [{"wire": 1}]}'),
+                       ("no1024.json", json.dumps({"rows": _bench_doc({"float32": 1.0}, 1)[
+                           "rows"][:3]}))):
+        (tmp_path / name).write_text(text)
+        bad = subprocess.run([sys.executable, str(script), str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "compare_runs:" in bad.stderr, (name, bad.stderr)
 
 
 def test_unary_latency_times_the_small_rpcs_beside_streaming_actors():
