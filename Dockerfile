@@ -44,8 +44,8 @@ RUN useradd --create-home --uid 10001 duelq \
 USER 10001
 WORKDIR /home/duelq
 # Eight gRPC front processes relay to the learner process (docs/benchmarks.md, round 14:
-# on a 16-core H200 host they carried the most of 2, 4, 6, 8 and 12 at B = 1024); hosts
-# with fewer cores: -e DUELQ_FRONT_PROCESSES=<about half the cores>.
+# on 16-core H200 hosts 8 fronts carried more than 4 at B = 1024 in every comparison);
+# hosts with fewer cores: -e DUELQ_FRONT_PROCESSES=<about half the cores>.
 ENV CUPY_CACHE_DIR=/home/duelq/.cache/cupy \
     DUELQ_FRONT_PROCESS=1 \
     DUELQ_FRONT_PROCESSES=8 \
