@@ -234,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drive a learner (in-process, or --target) with actor processes through "
                     "the client library; print throughput, latency and server overhead as "
                     "ratios to a bare gRPC byte stream measured in the same run; write "
-                    "bench.json and bench.png under --out. Exit 1 if a cell failed.")
+                    "bench.json and bench.png under --out. With --front-process the bench "
+                    "starts that server (its --front-processes fronts and learner process) "
+                    "and measures it as a --target. Exit 1 if a cell failed.")
     add_flag(bench, "backend", "str", "auto", "auto picks cuda when a GPU is usable; every "
              "cell also runs on the null (no-op) backend", choices=BACKENDS)
     add_bench_flags(bench)

@@ -51,6 +51,27 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_with_front_process_starts_and_measures_that_server(tmp_path):
+    """`duelq bench --front-process --front-processes 2` benches a front-process server it
+    starts itself, as a --target: the learner's cells on its backend over the target
+    transport, no null-backend or UDS cells, and the server named in the output."""
+    out = tmp_path / "bench"
+    run = subprocess.run(
+        [sys.executable, "-m", "duelq.server.cli", "bench", "--quick", "--backend", "reference",
+         "--front-process", "--front-processes", "2", "--scaling-actors", "", "--out",
+         str(out), "--hidden-dim", "16", "--n-actions", "5"],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "a front-process server with 2 front(s), started by the bench" in run.stdout
+    result = json.loads((out / "bench.json").read_text())
+    assert result["failures"] == [] and result["meta"]["target"].startswith("127.0.0.1:")
+    rows = result["rows"]
+    assert {r["transport"] for r in rows} == {"target"}
+    assert {r["backend"] for r in rows} == {"echo", "reference"}
+    assert {r["kind"] for r in rows} == {"echo", "stream", "unary"}
+    assert all("vs_echo" in r for r in rows if r["kind"] != "echo")
+
+
 def test_learner_path_reports_median_and_range_per_part():
     """benchmarks/learner_path.py runs on the reference backend and prints each part as
     "median [min–max]" over its blocks (the figures themselves are not checked)."""

@@ -182,7 +182,10 @@ def plot(result: dict, path: Path) -> None:
 
 def report(result: dict) -> str:
     m = result["meta"]
-    parts = [f"## duelq bench — backend {m['backend']} on {m['device']}, {m['cpus']} CPUs "
+    server = m.get("server", "in-process")
+    parts = [f"## duelq bench — backend {m['backend']} on {m['device']}"
+             + ("" if server == "in-process" else f" ({server})")
+             + f", {m['cpus']} CPUs "
              f"({m['cpu']}), H={m['hidden_dim']} N={m['n_actions']}, window {m['window']}, "
              f"{m['duration_s']:g} s per cell"
              + (f", byte stream on {m['echo_processes']} processes"

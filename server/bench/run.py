@@ -27,7 +27,7 @@ from duelq.v1 import learner_pb2 as pb
 from ..batch import validate_batch
 from ..config import LearnerConfig
 from ..learner import Learner, StepResult, make_backend
-from ..server import LearnerServer, ServerOptions
+from ..server import LearnerServer, ServerOptions, start_server
 from ..service import decode_batch, train_response
 from ..state import LearnerState
 from .actors import ActorPool, make_batch
@@ -256,7 +256,7 @@ class Bench:
             with LearnerClient(plan.target, token=self.options.token or None) as client:
                 client.wait_ready(self.ready_timeout)
                 info = client.info()
-            self.backend_name, self.device = info.backend, f"{info.device} (remote)"
+            self.backend_name, self.device = info.backend, info.device
             if (info.config.hidden_dim, info.config.n_actions) != (self.config.hidden_dim,
                                                                     self.config.n_actions):
                 raise UsageError(f"--target serves H={info.config.hidden_dim}, "
@@ -439,6 +439,14 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         return EXIT_USAGE
     from tqdm import tqdm
 
+    fronts: LearnerServer | None = None   # --front-process: that server, benched as a target
+    if options.front_process and not plan.target:
+        try:
+            fronts = start_server(config, options, backend=args.backend)
+        except Exception as exc:  # noqa: BLE001 — cannot bind, no usable backend
+            log.error("cannot start the front-process server: %s", exc)
+            return EXIT_FAILURE
+        plan = replace(plan, target=fronts.target, transports=("target",))
     bench = Bench(plan, config, options, args.backend, args.ready_timeout)
     started = time.time()
     failures: list[str] = []
@@ -451,7 +459,11 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         add_ratios(rows)
         out = {
             "meta": {**machine(), "backend": bench.backend_name, "device": bench.device or "?",
-                     "target": plan.target or "in-process", "hidden_dim": config.hidden_dim,
+                     "target": plan.target or "in-process",
+                     "server": (f"a front-process server with {options.front_processes} "
+                                "front(s), started by the bench" if fronts is not None else
+                                "remote" if plan.target else "in-process"),
+                     "hidden_dim": config.hidden_dim,
                      "n_actions": config.n_actions, "actors": plan.actors,
                      "batch_sizes": list(plan.batch_sizes), "scaling_batch": plan.scaling_batch,
                      "window": plan.window, "echo_processes": plan.echo_processes,
@@ -482,9 +494,10 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                                       file=sys.stderr, disable=None)
         failures += bench.run(cells, progress, rows, lambda: result(partial=True))
         if bench.backend_name == "cuda" and plan.device_step:
-            if bench.server is not None:
-                bench.server.stop(0)   # the GPU to the device benchmark alone
-                bench.server = None
+            for server in (bench.server, fronts):   # the GPU to the device benchmark alone
+                if server is not None:
+                    server.stop(0)
+            bench.server = fronts = None
             try:
                 device = device_step(plan.batch_sizes, config)
             except Exception as exc:  # noqa: BLE001 — reported, the rest still written
@@ -495,6 +508,8 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
             device = {"skipped": "--no-device-step"}
     finally:
         bench.stop()
+        if fronts is not None:
+            fronts.stop(0)
 
     final = result(partial=False)
     try:
