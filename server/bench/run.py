@@ -439,6 +439,7 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         return EXIT_USAGE
     from tqdm import tqdm
 
+    plan.out.mkdir(parents=True, exist_ok=True)
     fronts: LearnerServer | None = None   # --front-process: that server, benched as a target
     if options.front_process and not plan.target:
         try:
@@ -452,7 +453,6 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
     failures: list[str] = []
     rows: list[dict] = []
     device: dict = {"skipped": "the backend is not cuda"}
-    plan.out.mkdir(parents=True, exist_ok=True)
 
     def result(partial: bool) -> dict:
         """Everything measured so far; written after each cell, so a killed run leaves data."""
