@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# gpu_check.sh — the one command for a GPU machine: the `gpu` tests, then the device
-# benchmark, then a short summary table.
+# gpu_check.sh — the one command for a GPU machine: the `gpu` tests, the device
+# benchmark, then issue 5's goals for the Docker image's server model (`duelq bench
+# --front-process --front-processes $FRONTS`, B = 1024, 8 actors, and the learner's host
+# work per request from benchmarks/relay_path.py), then a short summary.
 #
-#   scripts/gpu_check.sh [pytest paths/args…]
+#   [FRONTS=8] [E2E=0] scripts/gpu_check.sh [pytest paths/args…]
 #
 # Default: `pytest -m gpu` over the test modules that mark gpu tests (other modules may
 # not even import on a bare GPU image).
@@ -31,6 +33,18 @@ fi
 TESTS_RC=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/device_step.py 2>&1 | tee "$LOGS/device_step.log"
 BENCH_RC=${PIPESTATUS[0]}
+E2E_RC=0
+if [ "${E2E:-1}" = 1 ]; then
+    FRONTS=${FRONTS:-8}
+    timeout 300 "$PY" -m duelq.server.cli bench --backend "${BACKEND:-cuda}" --front-process \
+        --front-processes "$FRONTS" --batch-sizes 1024 --actors 8 --scaling-actors "" \
+        --no-experiments --no-device-step --duration 3 --out "$LOGS/bench-fronts" \
+        2>&1 | tee "$LOGS/bench-fronts.log"
+    E2E_RC=${PIPESTATUS[0]}
+    timeout 120 "$PY" benchmarks/relay_path.py --backend "${BACKEND:-cuda}" --fronts "$FRONTS" \
+        --duration 3 2>&1 | tee "$LOGS/relay_path.log"
+    E2E_RC=$(( E2E_RC || PIPESTATUS[0] ))
+fi
 
 echo
 echo "=============================== gpu-check summary ==============================="
@@ -38,4 +52,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | s
 echo "gpu tests (exit $TESTS_RC): $(tail -n 1 "$LOGS/gpu_tests.log")"
 sed -n '/^## duelq device benchmark/,$p' "$LOGS/device_step.log"
 echo "benchmark exit $BENCH_RC"
-exit $(( TESTS_RC != 0 || BENCH_RC != 0 ))
+if [ "${E2E:-1}" = 1 ]; then
+    echo "end to end, $FRONTS fronts (exit $E2E_RC):"
+    sed -n '/^### Issue 5 goals, as measured here/,$p' "$LOGS/bench-fronts.log" | grep '^- '
+    echo "- the learner's host work per request (relay_path.py, $FRONTS fronts; goal ≤ 100 µs):" \
+        "$(grep -E '^\| [0-9]' "$LOGS/relay_path.log" | awk -F'|' '{print $6}' | xargs) µs"
+fi
+exit $(( TESTS_RC != 0 || BENCH_RC != 0 || E2E_RC != 0 ))
