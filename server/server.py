@@ -494,8 +494,8 @@ def start_server(config: LearnerConfig, options: ServerOptions, *, backend: str 
     """Start a server (a :class:`~duelq.server.front.FrontServer` with ``front_process``),
     build (or resume) the learner on ``backend``; SERVING on return."""
     server = make_server(options, interceptors=interceptors)
-    server.start()
     try:
+        server.start()
         server.serve_learner(config, backend=backend)
     except BaseException:
         server.stop(0)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,14 +56,23 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
 def test_bench_with_front_process_starts_and_measures_that_server(tmp_path):
     """`duelq bench --front-process --front-processes 2` benches a front-process server it
     starts itself, as a --target: the learner's cells on its backend over the target
-    transport, no null-backend or UDS cells, and the server named in the output."""
-    out = tmp_path / "bench"
+    transport, no null-backend or UDS cells, and the server named in the output.  Started
+    in the Docker image's environment (a token file, a checkpoint directory, a metrics
+    port), it sends the file's token and leaves the checkpoints and the port alone."""
+    out, checkpoints = tmp_path / "bench", tmp_path / "checkpoints"
+    (tmp_path / "token").write_text("s3cret\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics = s.getsockname()[1]
+    env = {**os.environ, "DUELQ_TOKEN_FILE": str(tmp_path / "token"),
+           "DUELQ_CHECKPOINT_DIR": str(checkpoints), "DUELQ_METRICS_PORT": str(metrics)}
     run = subprocess.run(
         [sys.executable, "-m", "duelq.server.cli", "bench", "--quick", "--backend", "reference",
          "--front-process", "--front-processes", "2", "--scaling-actors", "", "--out",
          str(out), "--hidden-dim", "16", "--n-actions", "5"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
     assert "a front-process server with 2 front(s), started by the bench" in run.stdout
     result = json.loads((out / "bench.json").read_text())
     assert result["failures"] == [] and result["meta"]["target"].startswith("127.0.0.1:")

@@ -116,6 +116,13 @@ def device_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _measured(meta: dict) -> str:
+    """What was measured: the backend, its device and, unless in-process, the server."""
+    server = meta.get("server", "in-process")
+    return (f"backend {meta['backend']} on {meta['device']}"
+            + ("" if server == "in-process" else f" ({server})"))
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -172,9 +179,8 @@ def plot(result: dict, path: Path) -> None:
     if scaling:   # no scaling cells (--scaling-actors ""): an empty panel, no legend
         right.legend(fontsize=7)
     meta = result["meta"]
-    fig.suptitle(f"duelq bench: backend {meta['backend']} on {meta['device']}; "
-                 f"{meta['cpus']} CPUs; H={meta['hidden_dim']} N={meta['n_actions']}",
-                 fontsize=10)
+    fig.suptitle(f"duelq bench: {_measured(meta)}; {meta['cpus']} CPUs; "
+                 f"H={meta['hidden_dim']} N={meta['n_actions']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -182,10 +188,7 @@ def plot(result: dict, path: Path) -> None:
 
 def report(result: dict) -> str:
     m = result["meta"]
-    server = m.get("server", "in-process")
-    parts = [f"## duelq bench — backend {m['backend']} on {m['device']}"
-             + ("" if server == "in-process" else f" ({server})")
-             + f", {m['cpus']} CPUs "
+    parts = [f"## duelq bench — {_measured(m)}, {m['cpus']} CPUs "
              f"({m['cpu']}), H={m['hidden_dim']} N={m['n_actions']}, window {m['window']}, "
              f"{m['duration_s']:g} s per cell"
              + (f", byte stream on {m['echo_processes']} processes"

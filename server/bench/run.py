@@ -27,7 +27,7 @@ from duelq.v1 import learner_pb2 as pb
 from ..batch import validate_batch
 from ..config import LearnerConfig
 from ..learner import Learner, StepResult, make_backend
-from ..server import LearnerServer, ServerOptions, start_server
+from ..server import LearnerServer, ServerOptions, make_server, start_server
 from ..service import decode_batch, train_response
 from ..state import LearnerState
 from .actors import ActorPool, make_batch
@@ -230,7 +230,7 @@ class Bench:
         plan = self.plan
         addresses = {"tcp": "127.0.0.1:0", "uds": f"unix://{self.tmp}/{{name}}.sock"}
         if not plan.target:
-            self.server = LearnerServer(self.options, interceptors=(self.clock,))
+            self.server = make_server(self.options, interceptors=(self.clock,))
             if "uds" in plan.transports:
                 uds = addresses["uds"].format(name="learner")
                 grpc_server = getattr(self.server, "_server", None)
@@ -253,7 +253,7 @@ class Bench:
                 self.server.service._apply_lock = self.lock
         else:
             self.targets["learner", "target"] = plan.target
-            with LearnerClient(plan.target, token=self.options.token or None) as client:
+            with LearnerClient(plan.target, token=self.options.bearer_token() or None) as client:
                 client.wait_ready(self.ready_timeout)
                 info = client.info()
             self.backend_name, self.device = info.backend, info.device
@@ -320,7 +320,7 @@ class Bench:
                "max_message_bytes": self.options.max_message_bytes, "seed": 7,
                "channel_options": TUNED_OPTIONS if cell.variant == "tuned" else (),
                "tune_malloc": cell.variant == "malloc",
-               "token": self.options.token, "ready_timeout": self.ready_timeout}
+               "token": self.options.bearer_token(), "ready_timeout": self.ready_timeout}
         pool, server_cpu_seconds = self.pool, cpu_seconds
         if cell.variant == "malloc":   # servers and actors in processes of their own
             if self.malloc_server is None:
@@ -440,15 +440,19 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
     from tqdm import tqdm
 
     plan.out.mkdir(parents=True, exist_ok=True)
-    fronts: LearnerServer | None = None   # --front-process: that server, benched as a target
-    if options.front_process and not plan.target:
-        try:
-            fronts = start_server(config, options, backend=args.backend)
-        except Exception as exc:  # noqa: BLE001 — cannot bind, no usable backend
-            log.error("cannot start the front-process server: %s", exc)
-            return EXIT_FAILURE
-        plan = replace(plan, target=fronts.target, transports=("target",))
-    bench = Bench(plan, config, options, args.backend, args.ready_timeout)
+    # The servers the bench starts are its own: no checkpoints (never the user's), no
+    # metrics port, no TLS (its actors speak plaintext); a token, from either source, is
+    # kept and sent.
+    options = replace(options, checkpoint_dir="", metrics_port=0, tls_cert="", tls_key="",
+                      tls_client_ca="")
+    front = options.front_process and not plan.target   # that server, benched as a target
+    server_label = (f"a front-process server with {options.front_processes} front(s), "
+                    "started by the bench" if front else
+                    "remote" if plan.target else "in-process")
+    if front:
+        options = replace(options, host="127.0.0.1", port=0)
+    fronts: LearnerServer | None = None
+    bench: Bench | None = None
     started = time.time()
     failures: list[str] = []
     rows: list[dict] = []
@@ -460,9 +464,7 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         out = {
             "meta": {**machine(), "backend": bench.backend_name, "device": bench.device or "?",
                      "target": plan.target or "in-process",
-                     "server": (f"a front-process server with {options.front_processes} "
-                                "front(s), started by the bench" if fronts is not None else
-                                "remote" if plan.target else "in-process"),
+                     "server": server_label,
                      "hidden_dim": config.hidden_dim,
                      "n_actions": config.n_actions, "actors": plan.actors,
                      "batch_sizes": list(plan.batch_sizes), "scaling_batch": plan.scaling_batch,
@@ -482,6 +484,10 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
 
     try:
         try:
+            if front:
+                fronts = start_server(config, options, backend=args.backend)
+                plan = replace(plan, target=fronts.target, transports=("target",))
+            bench = Bench(plan, config, options, args.backend, args.ready_timeout)
             bench.start(args.backend)
         except UsageError as exc:
             print(f"duelq: error: {exc}", file=sys.stderr)
@@ -507,9 +513,12 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         elif bench.backend_name == "cuda":
             device = {"skipped": "--no-device-step"}
     finally:
-        bench.stop()
-        if fronts is not None:
-            fronts.stop(0)
+        try:
+            if bench is not None:
+                bench.stop()
+        finally:
+            if fronts is not None:
+                fronts.stop(0)
 
     final = result(partial=False)
     try:
