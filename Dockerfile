@@ -44,7 +44,7 @@ RUN useradd --create-home --uid 10001 duelq \
 USER 10001
 WORKDIR /home/duelq
 # Eight gRPC front processes relay to the learner process (docs/benchmarks.md, round 14:
-# on 16-core H200 hosts 8 fronts carried more than 4 at B = 1024 in every comparison);
+# on 16-core H200 hosts 8 fronts scored higher than 4 at B = 1024 in every comparison);
 # hosts with fewer cores: -e DUELQ_FRONT_PROCESSES=<about half the cores>.
 ENV CUPY_CACHE_DIR=/home/duelq/.cache/cupy \
     DUELQ_FRONT_PROCESS=1 \
