@@ -92,9 +92,12 @@ class Streams:
                                  f"{timeout:g} s of streaming")
             time.sleep(0.05)
 
-    def finish(self) -> float:
-        """The actors' steps/s, once they are done; exits 1 if they failed."""
+    def finish(self, check: bool = True) -> float | None:
+        """The actors' steps/s, once they are done; exits 1 if they failed (with
+        ``check``: else None, as when another error is on its way)."""
         self.thread.join()
+        if not check:
+            return None
         if "error" in self.result:
             raise SystemExit(f"unary_latency: the streaming actors failed: "
                              f"{self.result['error']}")
@@ -139,8 +142,10 @@ def main() -> None:
                         if time.monotonic() > streams.streaming_until:
                             raise SystemExit("unary_latency: the actors may have stopped "
                                              "streaming before the timings ended")
-                    finally:
-                        rates[mode] = streams.finish()   # before the pool is reused or closed
+                    except BaseException:
+                        streams.finish(check=False)   # joined before the pool is closed
+                        raise
+                    rates[mode] = streams.finish()   # joined before the pool is reused
             finally:
                 server.stop(0)
     finally:
