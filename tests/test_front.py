@@ -12,11 +12,13 @@ import logging
 import queue
 import random
 import socket
+import tempfile
 import threading
 import time
 import types
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -946,6 +948,11 @@ def test_front_processes_refuse_a_port_another_server_listens_on():
         with pytest.raises(OSError, match="another server"):
             taken.start()
         taken.stop(0)
+        # start_server stops what it made when the start fails: no folder left behind
+        before = set(Path(tempfile.gettempdir()).glob("duelq-*"))
+        with pytest.raises(OSError, match="another server"):
+            start_server(SMALL, replace(options, port=first.port), backend="reference")
+        assert set(Path(tempfile.gettempdir()).glob("duelq-*")) <= before
     finally:
         first.stop(0)
 
