@@ -98,6 +98,19 @@ def _port_free(host: str, port: int) -> None:
                               f"server there?)") from exc
 
 
+def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota
+    (``cpu_max``; what ``docker run --cpus`` sets), rounded up."""
+    count = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        if quota != "max":
+            count = min(count, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):   # no cgroup v2 file, or not in that form
+        pass
+    return count
+
+
 def _slot_pool(options: ServerOptions, fd: int | None = None) -> SlotPool:
     """A front's slot pool of ``options``' size: a new one, or the one shared as ``fd``."""
     return SlotPool(options.relay_slots, int(options.relay_slot_mb * (1 << 20)), fd)
@@ -160,6 +173,12 @@ class FrontServer:
         """Bind the public port and serve health (NOT_SERVING) and reflection."""
         if self.index == 0 and self.options.front_processes > 1:
             _port_free(self.options.host, self.options.port)
+            cpus = usable_cpus()
+            if self.options.front_processes >= cpus:
+                log.warning("%d front processes and the learner process on %d CPUs share "
+                            "cores (the Docker image's 8 were measured on 16): consider "
+                            "--front-processes %d (DUELQ_FRONT_PROCESSES)",
+                            self.options.front_processes, cpus, max(1, cpus // 2))
         self.port = bind(self._server, self.options)
         self._server.start()
         log.info("listening on %s:%d (%s), front process %d of %d; health NOT_SERVING until "

@@ -9,6 +9,7 @@ mid-stream drain-and-resume test against a front-process `duelq serve`.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import socket
@@ -30,7 +31,7 @@ from duelq.client.tensors import encode
 from duelq.client import errors as client_errors
 from duelq.server.checkpoint import CheckpointError
 from duelq.server.config import LearnerConfig
-from duelq.server.front import FrontServer, LearnerProcessError
+from duelq.server.front import FrontServer, LearnerProcessError, usable_cpus
 from duelq.server.learner import cuda_usable
 from duelq.server.relay import AHEAD, MAX_STREAM_ID, RelayFront, RelayLearner, SlotPool
 from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
@@ -936,6 +937,31 @@ def test_a_second_front_gone_ends_its_streams_only():
     finally:
         first.close()
         learner.close()
+
+
+@pytest.mark.parametrize("cpu_max, cap", [("max 100000\n", None), ("200000 100000\n", 2),
+                                          ("150000 100000\n", 2), ("50000 100000\n", 1),
+                                          ("garbage\n", None), (None, None)])
+def test_usable_cpus_reads_the_cgroup_quota(tmp_path, cpu_max, cap):
+    """The affinity's CPU count, capped by a cgroup v2 quota rounded up; no quota, no file or
+    a file not in that form: the affinity's count."""
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(path) == (affinity if cap is None else min(affinity, cap))
+
+
+def test_more_fronts_than_cpus_are_warned_about(caplog):
+    """As many front processes as usable CPUs (the image's 8 on a small host): a warning
+    naming a count to try."""
+    cpus = usable_cpus()
+    server = FrontServer(ServerOptions(port=0, front_process=True, front_processes=max(2, cpus)))
+    with caplog.at_level(logging.WARNING, logger="duelq.server.front"):
+        server.start()
+    server.stop(0)
+    assert f"front processes and the learner process on {cpus} CPUs share cores" in caplog.text
+    assert f"consider --front-processes {max(1, cpus // 2)}" in caplog.text
 
 
 def test_front_processes_refuse_a_port_another_server_listens_on():
