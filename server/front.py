@@ -447,8 +447,7 @@ class FrontServer:
 
             def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
                 if self._relay is None:
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  _STARTING)
+                    context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
                 code, payload = self._relay.call(method, request, _deadline(context),
                                                  context.add_callback)
                 if code != grpc.StatusCode.OK:
@@ -459,8 +458,7 @@ class FrontServer:
         def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
             call = self._calls.get(name)
             if call is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              _STARTING)
+                context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
             deadline = _deadline(context)
             future = call.future(request, timeout=None if deadline is None else
                                  max(deadline - time.monotonic(), 0.0))
