@@ -2,21 +2,27 @@
 
     python3 benchmarks/learner_path.py [--backend cuda] [--batch 1024] [--requests 1000]
                                        [--repeats 5] [--host-calls native|python] [--profile]
+                                       [--unpacked]
 
 Builds a server's service on ``--backend`` (``null``: steps with no arithmetic, values
 left unchecked on the host as on cuda) and, for each request, does what the learner
-process of ``--front-process`` does with it once a front has copied its bytes into a slot
-of a (page-locked on cuda) slot pool: ``relay_prepare`` (parse, decode, checks, the copy
+process of ``--front-process`` does with it once a front has packed its arrays into a slot
+of a (page-locked on cuda) slot pool (server/packing.py's Packer, as the fronts do since
+round 13): ``relay_prepare_packed`` (the descriptor, the key, the checks left, the copy
 towards the device), ``apply_train`` (idempotency key, step, response) and serialise the
-response: the learner's share, timed around those three.  Requests carry distinct keys, as
-from an actor (their batches cycle through 256 distinct ones).
+response: the learner's share, timed around those three.  ``--unpacked``: the fronts'
+copies are the requests' bytes as they came, and ``relay_prepare`` parses and decodes them
+(before round 13).  Requests carry distinct keys, as from an actor (their batches cycle
+through 256 distinct ones).  benchmarks/relay_path.py runs the same share on the relay's
+thread with fronts feeding it; the difference is the relay's own work and what the fronts'
+copies and the relay's system calls cost the thread beside them.
 
 Each repeat times two blocks of ``--requests`` (in turn first), which differ only in
 where the front's copies are made:
-* ahead: every request of the block is copied into a slot of its own before the block, so
-  the learner's thread runs with only its own work in its caches, as in the server, where
-  the fronts copy on their own cores (there they still share the last-level cache and the
-  memory's bandwidth with it, so this is the lower bound);
+* ahead: every request of the block is copied (packed) into a slot of its own before the
+  block, so the learner's thread runs with only its own work in its caches, as in the
+  server, where the fronts copy on their own cores (there they still share the last-level
+  cache and the memory's bandwidth with it, so this is the lower bound);
 * inline: each request is copied into one of 8 slots just before its share, on the same
   thread (this script's only mode until round 10): the copy's megabyte then evicts the
   learner's working set, which on the H200 hosts made the host work 1.5–1.9× as long.
@@ -43,6 +49,7 @@ from duelq.client.client import encode_batch_wire
 from duelq.server.bench.actors import make_batch
 from duelq.server.config import LearnerConfig
 from duelq.server.bench.servers import serve_for_paths
+from duelq.server.packing import Packer
 from duelq.server.relay import SlotPool
 
 INLINE_SLOTS = 8   # slots the inline copies cycle through
@@ -61,6 +68,8 @@ def main() -> None:
     parser.add_argument("--host-calls", default="auto", choices=("auto", "native", "python"),
                         help="cuda: a step's driver calls through server/native.c or Python")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="slots hold the requests' bytes as they came, not packed")
     args = parser.parse_args()
     if args.requests < 1 or args.repeats < 1:
         parser.error("--requests and --repeats must be ≥ 1")
@@ -81,12 +90,29 @@ def main() -> None:
     warm = encode(WARM)
     pool = SlotPool(max(n, INLINE_SLOTS), -(-(len(warm[0]) + KEY_GROWTH) // PAGE) * PAGE)
     backend.register_host(pool.bytes)
+    packer = Packer()
 
-    def share(slot: int, data: bytes) -> float:
-        """Seconds of the learner's share of the request in ``slot``."""
+    def copy(slot: int, data: bytes) -> bytes:
+        """The front's copy of request ``data`` into ``slot``: what its frame then carries
+        (a packed request's descriptor and key; else nothing)."""
+        if args.unpacked:
+            pool.write(slot, data)
+            return b""
+        descriptor = packer.pack(data, pool.array(slot))
+        if descriptor is None:
+            raise SystemExit(f"a B = {args.batch} request does not pack into a slot")
+        return descriptor
+
+    def share(slot: int, data: bytes, frame: bytes) -> float:
+        """Seconds of the learner's share of the request ``data`` in ``slot`` (``frame``:
+        what its frame carried)."""
         start = time.perf_counter()
-        with service.relay_prepare(pool.slot(slot, len(data)), False,
-                                   pool.address(slot)) as job:
+        if args.unpacked:
+            job = service.relay_prepare(pool.slot(slot, len(data)), False, pool.address(slot))
+        else:
+            job = service.relay_prepare_packed(frame, pool.slot(slot, pool.size),
+                                               pool.address(slot))
+        with job:
             service.apply_train(job, None).SerializeToString()
         return time.perf_counter() - start
 
@@ -94,17 +120,13 @@ def main() -> None:
         """A block of n new requests: (share, wait) in µs per request; ``profile``, if
         given, runs around the shares alone."""
         requests = encode(n)
-        if ahead:
-            for i, data in enumerate(requests):
-                pool.write(i, data)
+        frames = [copy(i, data) for i, data in enumerate(requests)] if ahead else []
         waited, inside = getattr(backend, "sync_seconds", 0.0), 0.0
         if profile is not None:
             profile.enable()
         for i, data in enumerate(requests):
             slot = i if ahead else i % INLINE_SLOTS
-            if not ahead:
-                pool.write(slot, data)
-            inside += share(slot, data)
+            inside += share(slot, data, frames[i] if ahead else copy(slot, data))
         if profile is not None:
             profile.disable()
         wait = getattr(backend, "sync_seconds", 0.0) - waited
@@ -115,13 +137,12 @@ def main() -> None:
         requests = encode(n)
         start = time.perf_counter()
         for i, data in enumerate(requests):
-            pool.write(i % INLINE_SLOTS, data)
+            copy(i % INLINE_SLOTS, data)
         return 1e6 * (time.perf_counter() - start) / n
     rows: dict[str, list[float]] = {}   # figure → one value per block
     try:
         for i, data in enumerate(warm):
-            pool.write(i % INLINE_SLOTS, data)
-            share(i % INLINE_SLOTS, data)
+            share(i % INLINE_SLOTS, data, copy(i % INLINE_SLOTS, data))
         del warm
         for repeat in range(args.repeats):
             for kind in (("ahead", "inline"), ("inline", "ahead"))[repeat % 2]:
@@ -141,7 +162,8 @@ def main() -> None:
         return (f"{statistics.median(values):.0f} [{min(values):.0f}–{max(values):.0f}]"
                 if len(values) > 1 else f"{values[0]:.0f}")
     calls = f" (host calls: {backend.host_path})" if args.backend == "cuda" else ""
-    print(f"\n{args.backend}{calls}, B = {args.batch} float32, one thread, {args.repeats} "
+    print(f"\n{args.backend}{calls}, B = {args.batch} float32, "
+          f"{'as they came' if args.unpacked else 'packed'}, one thread, {args.repeats} "
           f"blocks of {n} requests each way: median [range] µs/request")
     print("| part | the front's copies ahead | copies inline, same thread |")
     print("|---|---|---|")

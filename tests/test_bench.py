@@ -83,15 +83,18 @@ def test_bench_with_front_process_starts_and_measures_that_server(tmp_path):
     assert all("vs_echo" in r for r in rows if r["kind"] != "echo")
 
 
-def test_learner_path_reports_median_and_range_per_part():
-    """benchmarks/learner_path.py runs on the reference backend and prints each part as
-    "median [min–max]" over its blocks (the figures themselves are not checked)."""
+@pytest.mark.parametrize("flags, requests", [([], "packed"), (["--unpacked"], "as they came")])
+def test_learner_path_reports_median_and_range_per_part(flags, requests):
+    """benchmarks/learner_path.py runs on the reference backend, with the requests packed
+    as the fronts pack them or as they came, and prints each part as "median [min–max]"
+    over its blocks (the figures themselves are not checked)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "learner_path.py"
     done = subprocess.run([sys.executable, str(script), "--backend", "reference", "--batch",
-                           "32", "--requests", "20", "--repeats", "3"],
+                           "32", "--requests", "20", "--repeats", "3", *flags],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "3 blocks of 20 requests each way" in done.stdout
+    assert f"B = 32 float32, {requests}, one thread, 3 blocks of 20 requests each way" \
+        in done.stdout
     # scripts/ab_gpu.sh takes each row's first figure: the copies-ahead column
     assert "| part | the front's copies ahead | copies inline, same thread |" in done.stdout
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines()
