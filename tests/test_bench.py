@@ -110,6 +110,26 @@ def test_learner_path_reports_median_and_range_per_part(flags, requests):
     assert bad.returncode == 2 and "--repeats" in bad.stderr
 
 
+def test_socket_cost_times_each_call_and_the_readers_cpu():
+    """benchmarks/socket_cost.py prints a row per call: sendmsg to a reader in each of its
+    three modes at both sizes (with the reader's CPU), then the learner side's calls; the
+    figures are only checked to be numbers, the means above zero."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "socket_cost.py"
+    done = subprocess.run([sys.executable, str(script), "--messages", "50", "--gap-us", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"^\| ([^|]+) \| ([\d.]+) \| ([\d.]+) \| (\d* ?%?) \|$", done.stdout,
+                      re.MULTILINE)
+    names = [name for name, *_ in rows]
+    assert len(rows) == 10 and names[0] == "sendmsg 8208 B, the reader sleeps in recv", \
+        done.stdout
+    assert all(cpu.endswith("%") for _, _, _, cpu in rows[:6])
+    assert all(float(mean) > 0 for _, _, mean, _ in rows)
+    bad = subprocess.run([sys.executable, str(script), "--messages", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--messages" in bad.stderr
+
+
 def test_relay_path_drives_the_learner_end_from_front_processes():
     """benchmarks/relay_path.py: two front processes stream to the learner end on the null
     backend; it prints steps/s, CPU per step, the relay thread's part of it and that less
