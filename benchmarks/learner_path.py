@@ -29,8 +29,9 @@ where the front's copies are made:
 The pool has max(``--requests``, 8) slots, each a multiple of 4 KiB as the server's are:
 ≈ 1 GB at B = 1024 (page-locked on cuda), besides the block's requests (another ≈ 1 GB).
 Reports wall µs per request (the median and the range over ``--repeats``; one host's
-figures drift by tens of per cent from block to block), the front's slot copies alone
-and, on cuda, the step's wait for the device (each step is waited for before the next
+figures drift by tens of per cent from block to block) and how many requests the learner
+took packed, the front's slot copies alone (packed: with the packing's own lookups) and,
+on cuda, the step's wait for the device (each step is waited for before the next
 request is read, so nothing overlaps it) and the host work, the share less that wait;
 --profile adds cProfile's top entries over the shares of one more block (copies ahead).
 """
@@ -49,7 +50,6 @@ from duelq.client.client import encode_batch_wire
 from duelq.server.bench.actors import make_batch
 from duelq.server.config import LearnerConfig
 from duelq.server.bench.servers import serve_for_paths
-from duelq.server.packing import Packer
 from duelq.server.relay import SlotPool
 
 INLINE_SLOTS = 8   # slots the inline copies cycle through
@@ -90,7 +90,10 @@ def main() -> None:
     warm = encode(WARM)
     pool = SlotPool(max(n, INLINE_SLOTS), -(-(len(warm[0]) + KEY_GROWTH) // PAGE) * PAGE)
     backend.register_host(pool.bytes)
-    packer = Packer()
+    if not args.unpacked:   # a build from before round 13 has no packing.py
+        from duelq.server.packing import Packer
+        packer = Packer()
+    packed = 0   # requests the learner took packed
 
     def copy(slot: int, data: bytes) -> bytes:
         """The front's copy of request ``data`` into ``slot``: what its frame then carries
@@ -106,12 +109,14 @@ def main() -> None:
     def share(slot: int, data: bytes, frame: bytes) -> float:
         """Seconds of the learner's share of the request ``data`` in ``slot`` (``frame``:
         what its frame carried)."""
+        nonlocal packed
         start = time.perf_counter()
-        if args.unpacked:
-            job = service.relay_prepare(pool.slot(slot, len(data)), False, pool.address(slot))
-        else:
+        if frame:
             job = service.relay_prepare_packed(frame, pool.slot(slot, pool.size),
                                                pool.address(slot))
+            packed += 1
+        else:
+            job = service.relay_prepare(pool.slot(slot, len(data)), False, pool.address(slot))
         with job:
             service.apply_train(job, None).SerializeToString()
         return time.perf_counter() - start
@@ -162,9 +167,10 @@ def main() -> None:
         return (f"{statistics.median(values):.0f} [{min(values):.0f}–{max(values):.0f}]"
                 if len(values) > 1 else f"{values[0]:.0f}")
     calls = f" (host calls: {backend.host_path})" if args.backend == "cuda" else ""
-    print(f"\n{args.backend}{calls}, B = {args.batch} float32, "
-          f"{'as they came' if args.unpacked else 'packed'}, one thread, {args.repeats} "
-          f"blocks of {n} requests each way: median [range] µs/request")
+    taken = WARM + (2 * args.repeats + args.profile) * n
+    print(f"\n{args.backend}{calls}, B = {args.batch} float32, {packed} of {taken} requests "
+          f"packed, one thread, {args.repeats} blocks of {n} requests each way: "
+          f"median [range] µs/request")
     print("| part | the front's copies ahead | copies inline, same thread |")
     print("|---|---|---|")
     print(f"| the learner's share, timed around it | {cell('share ahead')} "

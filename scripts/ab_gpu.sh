@@ -2,13 +2,15 @@
 # ab_gpu.sh — this build against another one, side by side on one GPU host.  Hosts of one
 # kind differ by up to 2× (docs/benchmarks.md, rounds 7 and 8), so a comparison holds only
 # within one host.  Each of ROUNDS rounds (default 2) runs, for each build in turn:
-#   * benchmarks/learner_path.py (this tree's harness, that build's server code), and
+#   * benchmarks/learner_path.py (this tree's harness, that build's server code; requests
+#     packed as the fronts pack them since round 13: LEARNER_FLAGS=--unpacked for a build
+#     from before, or for figures comparable with earlier rounds' A/B runs), and
 #   * `duelq bench --target` (this tree's client; B = 1024 float32, $ACTORS actors, the
 #     byte-stream echo, TrainStream and unary cells) against a `--front-process
 #     --front-processes $FRONTS` server of that build, both servers up all along.
 #
 #   git worktree add /tmp/base <commit>
-#   [FRONTS=4] [ACTORS=8] [BACKEND=cuda] [DURATION=6] [REQUESTS=1000] \
+#   [FRONTS=4] [ACTORS=8] [BACKEND=cuda] [DURATION=6] [REQUESTS=1000] [LEARNER_FLAGS=…] \
 #       scripts/ab_gpu.sh /tmp/base [ROUNDS]
 #
 # Each build runs from a folder of links to its packages; duelq must not be installed (as
@@ -80,7 +82,8 @@ for round in $(seq "$ROUNDS"); do
     for build in this other; do
         echo "== round $round, $build (${TREES[$build]})"
         as $build "$PY" "$ROOT/benchmarks/learner_path.py" --backend "$BACKEND" \
-            --requests "${REQUESTS:-1000}" --repeats 3 | tee "$DEST/path-$round-$build.txt" \
+            --requests "${REQUESTS:-1000}" --repeats 3 ${LEARNER_FLAGS:-} \
+            | tee "$DEST/path-$round-$build.txt" \
             | grep -E "learner's (share|host work)" || status=1
         as this "$PY" -m duelq.server.cli bench --target "127.0.0.1:${PORTS[$build]}" \
             --batch-sizes 1024 --wire-dtypes float32 --actors "${ACTORS:-8}" \

@@ -16,6 +16,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
+[[ ${RELAY_RUNS:-5} =~ ^[1-9][0-9]*$ ]] || { echo "RELAY_RUNS must be a count ≥ 1" >&2; exit 2; }
 
 . "$ROOT/scripts/device_env.sh"
 cd "$ROOT"
@@ -61,7 +62,7 @@ if [ "${E2E:-1}" != 0 ]; then
     echo "end to end, $FRONTS fronts (bench exit $E2E_RC, relay_path exit $RELAY_RC):"
     sed -n '/^### Issue 5 goals, as measured here/,$p' "$LOGS/bench-fronts.log" | grep '^- '
     HOST_US=$(grep -E '^\| [0-9]' "$LOGS/relay_path.log" | awk -F'|' '{print $6 + 0}' | sort -n \
-        | awk '{v[NR] = $1} END {if (NR) printf "median %g µs (%d runs: %g–%g)", \
+        | awk '{v[NR] = $1} END {if (NR) printf "median %g µs (%d run(s): %g–%g)", \
               (v[int((NR + 1) / 2)] + v[int(NR / 2) + 1]) / 2, NR, v[1], v[NR]}')
     echo "- the learner's host work per request (relay_path.py, $FRONTS fronts; goal ≤ 100 µs):" \
         "${HOST_US:-not measured}"
