@@ -336,6 +336,12 @@ class LearnerService(pb_grpc.LearnerServicer):
         if self._draining:
             raise NotServing("the server is shutting down; retry with the same key")
 
+    def _check_train_key(self, key: pb.RequestKey) -> None:
+        """Refuse a train request's malformed key, or any while draining: early, before the
+        request's own work (_admit decides again)."""
+        ReplayGuard.check_key(key.actor_id, key.seq)
+        self._refuse_if_draining()
+
     @property
     def learner(self) -> Learner:
         if self._learner is None:
@@ -374,8 +380,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         plan = plans.get(layout)
         if plan is not None:
             return self._prepare_planned(learner, plan, request.key, request.view, address)
-        ReplayGuard.check_key(request.key.actor_id, request.key.seq)
-        self._refuse_if_draining()  # early, before the work below (_admit decides)
+        self._check_train_key(request.key)
         batch, offsets = _decode(request, bool(learner.backend.feature_dtypes))
         prepared = learner.prepare(_placed(batch, offsets, address))
         plans.learn(layout, batch, prepared.batch, offsets)
@@ -385,8 +390,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                          address: int | None) -> TrainJob:
         """:meth:`prepare_train` of a request of a layout seen before (server/plans.py) by
         the ``learner`` whose plan it is."""
-        ReplayGuard.check_key(key.actor_id, key.seq)
-        self._refuse_if_draining()
+        self._check_train_key(key)
         return TrainJob(learner, key,
                         learner.prepare(plan.batch(data, address), shapes_checked=True))
 
@@ -429,8 +433,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         learner = self._plans.learner or self.learner   # NotServing before attach
         packed, key = read_packed(payload, data, address)
         key = pb.RequestKey.FromString(key)   # the front parsed it
-        ReplayGuard.check_key(key.actor_id, key.seq)
-        self._refuse_if_draining()
+        self._check_train_key(key)
         return TrainJob(learner, key, learner.prepare_packed(packed))
 
     def call_relayed(self, name: str, request: bytes, context) -> bytes:
