@@ -158,12 +158,12 @@ def tensor_wire(number: int, array: np.ndarray, field: str, *,
     as :func:`encode` (shape packed, as proto3 writes it).
     """
     enum, shape, data = wire_array(array, field, wire=wire)
-    head = _tensor_head(number, enum, shape, data.nbytes)
+    head = tensor_head(number, enum, shape, data.nbytes)
     return [head, memoryview(data).cast("B")] if data.nbytes else [head]
 
 
 @functools.lru_cache(maxsize=256)
-def _tensor_head(number: int, enum: int, shape: tuple[int, ...], nbytes: int) -> bytes:
+def tensor_head(number: int, enum: int, shape: tuple[int, ...], nbytes: int) -> bytes:
     """Field ``number``'s tag and length, then the Tensor's dtype, shape and data's length:
     the same for every batch of one shape, so built once (a step's 7 cost ≈ 50 µs)."""
     dims = b"".join(varint(d) for d in shape)

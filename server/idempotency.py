@@ -51,6 +51,19 @@ class _Actor:
     latest: Any = None   # response of seq ``high``
 
 
+def _of_kind(response: Any, kind: type) -> bool:
+    """Whether a recorded response is a ``kind``: an instance, or another object that says
+    it encodes that message (its ``DESCRIPTOR``, as service.EncodedTrainResponse)."""
+    return isinstance(response, kind) or (
+        getattr(response, "DESCRIPTOR", None) is getattr(kind, "DESCRIPTOR", False))
+
+
+def _name(response: Any) -> str:
+    """The name of a recorded response's message."""
+    descriptor = getattr(response, "DESCRIPTOR", None)
+    return descriptor.name if descriptor is not None else type(response).__name__
+
+
 class ReplayGuard:
     """Applied keys and recorded responses, in bounded memory."""
 
@@ -92,9 +105,9 @@ class ReplayGuard:
         if response is None:
             raise AlreadyApplied(f"key {actor_id}/{seq} was applied, but its recorded "
                                  f"response is no longer kept")
-        if not isinstance(response, kind):
+        if not _of_kind(response, kind):
             raise InvalidArgument("key.seq", f"{seq} of actor {actor_id!r} was already used "
-                                  f"by a {type(response).__name__}")
+                                  f"by a {_name(response)}")
         if age != 0:
             self._responses.move_to_end((actor_id, seq))
         return response
@@ -127,7 +140,8 @@ class ReplayGuard:
         return other
 
     def to_bytes(self) -> bytes:
-        """Every record, LRU order kept (format 2); responses must be protobuf messages."""
+        """Every record, LRU order kept (format 2); responses must be protobuf messages
+        (or encoded ones: SerializeToString and DESCRIPTOR)."""
         blobs: list[bytes] = []
         kinds: list[list] = []
 
@@ -135,7 +149,7 @@ class ReplayGuard:
             if response is None:
                 return None
             blobs.append(response.SerializeToString())
-            kinds.append([type(response).__name__, len(blobs[-1])])
+            kinds.append([_name(response), len(blobs[-1])])
             return len(blobs) - 1
 
         index = json.dumps({

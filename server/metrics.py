@@ -74,7 +74,10 @@ class Metrics:
         self.step_latency.observe(time.perf_counter() - started)
         if not response.replayed:
             self.steps.inc()
-            self.transitions.inc(response.td_errors.shape[0] if response.td_errors.shape else 0)
+            rows = getattr(response, "rows", None)   # an EncodedTrainResponse's
+            if rows is None:
+                rows = response.td_errors.shape[0] if response.td_errors.shape else 0
+            self.transitions.inc(rows)
             self.loss.set(response.loss)
 
 

@@ -25,6 +25,7 @@ import inspect
 import json
 import logging
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ import grpc
 import numpy as np
 
 from duelq.client import errors as client_errors
-from duelq.client.tensors import decode, encode, float16_to_float32
+from duelq.client.tensors import decode, encode, float16_to_float32, tensor_head, varint
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -210,6 +211,63 @@ def train_response(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
     return response
 
 
+class EncodedTrainResponse:
+    """A TrainResponse already in its wire bytes (:func:`encoded_train_response`), with
+    the fields the server reads back; recorded under its key as a message would be."""
+
+    __slots__ = ("data", "step", "loss", "rows")
+    DESCRIPTOR = pb.TrainResponse.DESCRIPTOR   # the message it encodes (ReplayGuard)
+    replayed = False
+
+    def __init__(self, data: bytes, step: int, loss: float, rows: int):
+        self.data, self.step, self.loss, self.rows = data, step, loss, rows
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 — protobuf's spelling
+        return self.data
+
+
+_DOUBLE = struct.Struct("<d")
+_ZERO_DOUBLE = bytes(8)
+
+
+def encoded_train_response(result: StepResult, key: bytes) -> EncodedTrainResponse:
+    """:func:`train_response` of ``result`` and a key given as its wire bytes, written
+    straight to protobuf's canonical bytes (field order, defaults left out), the vectors
+    copied once: ≈ 1 against 5 µs a response at B = 1024 (docs/benchmarks.md, round 16).
+    The relay path's; tests hold it byte-equal to ``train_response(...).SerializeToString()``."""
+    td = np.ascontiguousarray(result.td_errors, np.float32)          # [B]
+    priorities = np.ascontiguousarray(result.priorities, np.float32)  # [B]
+    rows = td.shape[0]
+    head_td, head_priorities = _vector_heads(rows, td.nbytes)
+    parts = [_double_field(b"\x09", result.loss), head_td]
+    if rows:
+        parts.append(memoryview(td).cast("B"))
+    parts.append(head_priorities)
+    if rows:
+        parts.append(memoryview(priorities).cast("B"))
+    parts += (_double_field(b"\x21", result.q_taken_mean),
+              _double_field(b"\x29", result.grad_norm),
+              b"\x30" + varint(result.step) if result.step else b"",
+              b"\x38" + varint(result.version) if result.version else b"")
+    if result.entropy is not None:   # optional: present even when 0
+        parts.append(b"\x41" + _DOUBLE.pack(result.entropy))
+    parts += (b"\x4a", varint(len(key)), key)   # the key is always set
+    return EncodedTrainResponse(b"".join(parts), result.step, result.loss, rows)
+
+
+def _double_field(tag: bytes, value: float) -> bytes:
+    """A proto3 double field: left out when its bits are all zero (-0.0 is written)."""
+    packed = _DOUBLE.pack(value)
+    return b"" if packed == _ZERO_DOUBLE else tag + packed
+
+
+@functools.lru_cache(maxsize=64)
+def _vector_heads(rows: int, nbytes: int) -> tuple[bytes, bytes]:
+    """The framing before td_errors' and priorities' data: float32 [rows]."""
+    return (tensor_head(2, pb.DTYPE_FLOAT32, (rows,), nbytes),
+            tensor_head(3, pb.DTYPE_FLOAT32, (rows,), nbytes))
+
+
 @functools.lru_cache(maxsize=64)
 def _response_template(rows: int) -> pb.TrainResponse:
     """A TrainResponse whose two tensors say float32 [rows] (copying it beats building them:
@@ -228,6 +286,7 @@ class TrainJob:
     learner: Learner
     key: pb.RequestKey
     prepared: Prepared
+    key_bytes: bytes | None = None   # the key's wire bytes, where the request gave them
 
     def __enter__(self) -> "TrainJob":
         return self
@@ -355,9 +414,8 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self._admit(context, changes=True):
             if key.actor_id:
                 recorded = self._replay.lookup(key.actor_id, key.seq, kind)
-                if recorded is not None:
-                    replay = kind()
-                    replay.CopyFrom(recorded)
+                if recorded is not None:   # a message, or an EncodedTrainResponse
+                    replay = kind.FromString(recorded.SerializeToString())
                     replay.replayed = True
                     return replay
             response = apply()
@@ -394,12 +452,19 @@ class LearnerService(pb_grpc.LearnerServicer):
         return TrainJob(learner, key,
                         learner.prepare(plan.batch(data, address), shapes_checked=True))
 
-    def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None
-                    ) -> pb.TrainResponse:
+    def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None, *,
+                    encoded: bool = False) -> pb.TrainResponse | EncodedTrainResponse:
         """Step a prepared request once under the apply lock (a replayed key's upload is
-        simply given back when the job closes)."""
-        def apply() -> pb.TrainResponse:
-            response = train_response(job.learner.step(job.prepared), job.key)
+        simply given back when the job closes).  ``encoded``: answer a new step with its
+        wire bytes (:class:`EncodedTrainResponse`), for a caller that sends bytes."""
+        def apply() -> pb.TrainResponse | EncodedTrainResponse:
+            result = job.learner.step(job.prepared)
+            if encoded:
+                key = job.key_bytes
+                response = encoded_train_response(
+                    result, key if key is not None else job.key.SerializeToString())
+            else:
+                response = train_response(result, job.key)
             if self.checkpoints is not None:  # under the apply lock: steps arrive in order
                 self.checkpoints.notify(response.step)
             return response
@@ -431,10 +496,10 @@ class LearnerService(pb_grpc.LearnerServicer):
         (server/packing.py): ``payload`` is its descriptor and key, ``data`` the slot that
         holds its arrays, at host ``address``."""
         learner = self._plans.learner or self.learner   # NotServing before attach
-        packed, key = read_packed(payload, data, address)
-        key = pb.RequestKey.FromString(key)   # the front parsed it
+        packed, key_bytes = read_packed(payload, data, address)
+        key = pb.RequestKey.FromString(key_bytes)   # the front parsed it
         self._check_train_key(key)
-        return TrainJob(learner, key, learner.prepare_packed(packed))
+        return TrainJob(learner, key, learner.prepare_packed(packed), key_bytes)
 
     def call_relayed(self, name: str, request: bytes, context) -> bytes:
         """A small rpc (one of :data:`RELAYED_CALLS`) that a front process relayed whole

@@ -20,13 +20,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from duelq.client import LearnerClient, encode_batch
+from duelq.client.client import encode_batch_wire
+from duelq.server.errors import InvalidArgument
 from duelq.client.tensors import decode, encode
 from duelq.server.config import LearnerConfig
 from duelq.server.idempotency import AlreadyApplied, ReplayGuard
-from duelq.server.learner import Learner
+from duelq.server.learner import Learner, StepResult
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server import wire
-from duelq.server.service import REPLAY_KINDS
+from duelq.server.service import (REPLAY_KINDS, EncodedTrainResponse, LearnerService, Limits,
+                                  encoded_train_response, train_response)
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -483,3 +486,70 @@ def test_server_version_falls_back_when_duelq_is_not_installed(monkeypatch):
     assert service._version() == metadata.version("duelq")
     monkeypatch.setattr(metadata, "version", missing)
     assert service._version() == "0+source"   # GetInfo still answers from a source tree
+
+
+def _result(rng, rows: int, **fields) -> StepResult:
+    values = dict(loss=float(rng.random()), q_taken_mean=float(rng.normal()),
+                  grad_norm=float(rng.random() * 10), step=int(rng.integers(1, 2**40)),
+                  entropy=None)
+    values.update(fields)
+    values.setdefault("version", values["step"])
+    return StepResult(td_errors=rng.normal(size=rows).astype(np.float32),
+                      priorities=rng.random(rows).astype(np.float32), **values)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 31, 127, 128, 1024, 4097])
+@pytest.mark.parametrize("entropy", [None, 0.0, 1.25])
+def test_an_encoded_train_response_is_protobufs_own_bytes(rows, entropy):
+    rng = np.random.default_rng(rows)
+    for key in (pb.RequestKey(), pb.RequestKey(actor_id="actor-7", seq=2**33 + 5)):
+        result = _result(rng, rows, entropy=entropy)
+        encoded = encoded_train_response(result, key.SerializeToString())
+        assert encoded.SerializeToString() == train_response(result, key).SerializeToString()
+        assert (encoded.step, encoded.loss, encoded.rows, encoded.replayed) == (
+            result.step, result.loss, rows, False)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(loss=0.0, q_taken_mean=0.0, grad_norm=0.0, step=0, version=0),   # defaults left out
+    dict(loss=-0.0, q_taken_mean=-0.0, grad_norm=0.0, step=1, version=1),  # -0.0 is written
+    dict(loss=1e-320, q_taken_mean=-3.5, grad_norm=math.inf, step=127, version=128),
+    dict(loss=0.5, q_taken_mean=1.0, grad_norm=2.0, step=2**64 - 1, version=2**64 - 1),
+])
+def test_an_encoded_train_response_writes_scalars_as_protobuf_does(fields):
+    result = _result(np.random.default_rng(0), 3, **fields)
+    key = pb.RequestKey(actor_id="a", seq=1)
+    assert encoded_train_response(result, key.SerializeToString()).SerializeToString() == \
+        train_response(result, key).SerializeToString()
+
+
+def test_an_encoded_response_is_recorded_replayed_and_checkpointed_as_its_message():
+    rng = np.random.default_rng(3)
+    key = pb.RequestKey(actor_id="a", seq=4)
+    result = _result(rng, 8)
+    message = train_response(result, key)
+    guard = ReplayGuard(capacity=4, window=8)
+    guard.record("a", 4, encoded_train_response(result, key.SerializeToString()))
+    assert guard.lookup("a", 4, pb.TrainResponse).SerializeToString() == \
+        message.SerializeToString()
+    with pytest.raises(InvalidArgument, match="already used by a TrainResponse"):
+        guard.lookup("a", 4, pb.EntropyResponse)
+    restored = ReplayGuard.from_bytes(guard.to_bytes(), REPLAY_KINDS)
+    assert restored.lookup("a", 4, pb.TrainResponse) == message
+
+
+def test_a_repeated_key_answered_encoded_is_replayed_as_a_message(rng):
+    learner = Learner(SMALL, backend="reference")
+    service = LearnerService(Limits(max_message_bytes=1 << 24, max_batch_size=64,
+                                    max_streams=4))
+    service.attach(learner)
+    data = encode_batch_wire(random_batch(rng, 8), actor_id="a", seq=1)
+    answers = []
+    for _ in range(2):
+        with service.relay_prepare(memoryview(data), False) as job:
+            answers.append(service.apply_train(job, None, encoded=True))
+    first, again = answers
+    assert isinstance(first, EncodedTrainResponse) and isinstance(again, pb.TrainResponse)
+    assert again.replayed and learner.step_count == 1
+    again.replayed = False
+    assert again.SerializeToString() == first.SerializeToString()
