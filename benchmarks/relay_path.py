@@ -2,7 +2,7 @@
 
     python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
         [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …] [--parts]
-        [--driver-calls] [--unpacked]
+        [--driver-calls] [--unpacked] [--plain-copies]
 
 This process plays a ``--front-process`` server's learner process: the service on
 ``--backend`` behind a RelayLearner (its one thread reads every front, prepares, steps and
@@ -10,7 +10,8 @@ replies), each front's slot pool page-locked on cuda.  Each of ``--fronts`` chil
 plays a front with the real RelayFront: ``--streams`` TrainStreams that keep ``--window``
 requests in flight, every request with a key of its own (B = ``--batch`` float32), packed
 into its slot as the server's fronts pack them (server/packing.py; ``--unpacked``: the
-request's bytes as they came, as before round 13).  With
+request's bytes as they came, as before round 13), the large arrays with non-temporal
+stores as the server's fronts write them since round 16 (``--plain-copies``: cached ones).  With
 no gRPC and no actors, what is left is the relay and the learner's own work, under the
 same thread as in the server.  The fronts build each request with one
 copy of its body (``b"".join``): until round 9 they chained ``+``, whose 1 MB temporaries
@@ -53,6 +54,7 @@ def _front(args: argparse.Namespace) -> None:
     from duelq.client.tensors import varint
     from duelq.server.bench.actors import make_batch
     from duelq.server.config import LearnerConfig
+    from duelq.server.native import stream_copy
     from duelq.server.packing import Packer
     from duelq.server.relay import RelayFront, SlotPool
     from duelq.v1 import learner_pb2 as pb
@@ -64,7 +66,8 @@ def _front(args: argparse.Namespace) -> None:
               for _ in range(BODIES)]
     front = RelayFront(socket.socket(fileno=args.sock_fd),
                        SlotPool(SLOTS, args.slot_size, fd=args.pool_fd),
-                       None if args.unpacked else Packer().pack)
+                       None if args.unpacked else
+                       Packer(None if args.plain_copies else stream_copy()).pack)
     counts = [0] * args.streams
     end = args.start_at + WARMUP_S + args.duration + 0.2
 
@@ -172,7 +175,8 @@ def _learner(args: argparse.Namespace) -> dict:
         # streams.
         first, first_end = socket.socketpair()
         relay = RelayLearner(first, SlotPool(1, 4096), service.relay_prepare,
-                             lambda job, call: service.apply_train(job, call).SerializeToString(),
+                             lambda job, call: service.apply_train(
+                                 job, call, encoded=True).SerializeToString(),
                              refuse, open_stream=service.open_stream,
                              close_stream=service.close_stream,
                              prepare_packed=service.relay_prepare_packed)
@@ -187,7 +191,8 @@ def _learner(args: argparse.Namespace) -> dict:
                  str(theirs.fileno()), "--pool-fd", str(pool.fd), "--slot-size", str(size),
                  "--start-at", str(start_at), "--streams", str(args.streams), "--window",
                  str(args.window), "--batch", str(args.batch), "--duration",
-                 str(args.duration)] + ["--unpacked"] * args.unpacked,
+                 str(args.duration)] + ["--unpacked"] * args.unpacked
+                + ["--plain-copies"] * args.plain_copies,
                 pass_fds=(theirs.fileno(), pool.fd), stdout=subprocess.PIPE, text=True))
             theirs.close()
         time.sleep(max(0.0, start_at + WARMUP_S - time.time()))
@@ -250,6 +255,9 @@ def main() -> None:
     parser.add_argument("--unpacked", action="store_true",
                         help="the fronts send each request's bytes as they came (the learner "
                              "parses and unpacks them), not packed")
+    parser.add_argument("--plain-copies", action="store_true",
+                        help="the fronts write the slots with cached stores, not "
+                             "non-temporal ones (as before round 16)")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -268,7 +276,8 @@ def main() -> None:
     calls = f" (host calls: {result['host_calls']})" if result["host_calls"] else ""
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
           f"{args.streams} streams × window {args.window}, {args.duration:g} s, requests "
-          f"{'as they came' if args.unpacked else 'packed by the fronts'}")
+          f"{'as they came' if args.unpacked else 'packed by the fronts'}"
+          f"{', plain copies' if args.plain_copies and not args.unpacked else ''}")
     print("| steps/s | learner process CPU µs/step | of which the relay thread "
           "| of which the device wait | the relay thread's host work |")
     print("|---|---|---|---|---|")

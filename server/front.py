@@ -55,6 +55,7 @@ from duelq.v1 import learner_pb2 as pb
 from .checkpoint import CheckpointError
 from .config import LearnerConfig
 from .errors import ResourceExhausted
+from .native import stream_copy
 from .packing import Packer
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
@@ -237,7 +238,7 @@ class FrontServer:
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
         self._relay = RelayFront(sock, slots,
-                                 Packer().pack if self.options.relay_pack else None)
+                                 Packer(stream_copy()).pack if self.options.relay_pack else None)
         self._relay.on_close = self._learner_gone
 
     def _start_fronts(self, ctx) -> None:
@@ -572,7 +573,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     _page_lock(server, slots)
 
     def apply(job: TrainJob, call) -> bytes:
-        response = service.apply_train(job, call)
+        response = service.apply_train(job, call, encoded=True)
         if metrics is not None:   # the latency from the request's arrival in this process
             metrics.observe_answer(response, call.arrived)
         return response.SerializeToString()

@@ -8,7 +8,12 @@
  */
 #include <dlfcn.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 #include <time.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef int CUresult;
 typedef void *CUstream, *CUevent, *CUfunction;
@@ -159,4 +164,32 @@ int duelq_step(struct duelq_step *s) {
     if (r == 0) r = synced;
     if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);
     return r;
+}
+
+/* duelq_stream_copy: src[offset, offset + n) to dst, the aligned part with non-temporal
+ * stores, which go to memory without taking cache lines: a front process writes a batch
+ * into its relay slot for the device's copy engine alone to read, and a cached write would
+ * evict what the learner process's thread works on from the cache they share
+ * (docs/benchmarks.md, round 16).  Fenced, so the bytes are visible before whatever this
+ * thread writes next (the frame that names the slot).  Without SSE2: memcpy. */
+void duelq_stream_copy(unsigned char *dst, const char *src, size_t offset, size_t n) {
+    src += offset;
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    _mm_sfence();
+#endif
+    memcpy(dst, src, n);
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -25,6 +26,9 @@ import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 #: The block totals must add exactly as NumPy does: no fused multiply-add, no reassociation
@@ -132,6 +136,10 @@ class Native:
         self.block_totals = keeps_gil.duelq_block_totals
         self.block_totals.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
         self.block_totals.restype = None
+        self.stream_copy = keeps_gil.duelq_stream_copy   # (dst, src bytes, offset, n)
+        self.stream_copy.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                     ctypes.c_size_t)
+        self.stream_copy.restype = None
         self.step = releases_gil.duelq_step
         self.step.argtypes = (ctypes.c_void_p,)
         self._init = keeps_gil.duelq_init
@@ -183,3 +191,14 @@ def load(*, cuda: bool = True) -> Native:
     if cuda:
         native.init_cuda()
     return native
+
+
+def stream_copy() -> Callable[[int, bytes, int, int], None] | None:
+    """``duelq_stream_copy(dst address, src bytes, offset, n)``: copies ``src[offset:offset +
+    n]`` to ``dst`` with non-temporal stores (holding the GIL); None where the library cannot
+    be built or loaded here (the reason is logged)."""
+    try:
+        return load(cuda=False).stream_copy
+    except NativeUnavailable as exc:
+        log.info("relay slots are written with plain copies: %s", exc)
+        return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import struct
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from .wire import TENSOR_FIELDS, known_layout, parse_train_request
 
 DESCRIPTOR = struct.Struct("<IIBB")   # B, H, features' dtype (FEATURE_DTYPES index), weights
 MAX_LAYOUTS = 64                      # as many as wire.py remembers
+STREAM_MIN_BYTES = 1 << 16            # arrays the Packer's stream copy writes (B·H features)
 _VECTOR = np.dtype(np.float32)
 _ACTIONS = np.dtype(np.int32)
 
@@ -109,16 +111,22 @@ def _plan(data: bytes) -> tuple[object, _Plan | None]:
 
 
 class Packer:
-    """A front process's packing of train requests into relay slots (thread-safe)."""
+    """A front process's packing of train requests into relay slots (thread-safe).
 
-    def __init__(self):
+    ``stream_copy`` (server/native.py's): arrays of :data:`STREAM_MIN_BYTES` or more are
+    written with non-temporal stores, which leave the caches shared with the learner
+    process's thread alone (only the device's copy engine reads a slot)."""
+
+    def __init__(self, stream_copy: Callable[[int, bytes, int, int], None] | None = None):
         self._plans: dict[object, _Plan | None] = {}   # by wire layout
         self._lock = threading.Lock()
+        self._stream_copy = stream_copy
 
-    def pack(self, data: bytes, slot: np.ndarray) -> bytes | None:
-        """Write request ``data``'s arrays into ``slot`` (uint8) in the packed layout and
-        return the descriptor to send; None (``slot`` left as it was) when the request does
-        not pack, or does not fit."""
+    def pack(self, data: bytes, slot: np.ndarray, address: int | None = None) -> bytes | None:
+        """Write request ``data``'s arrays into ``slot`` (uint8, at host ``address`` when
+        given: then the large ones with the stream copy) in the packed layout and return the
+        descriptor to send; None (``slot`` left as it was) when the request does not pack,
+        or does not fit."""
         layout = known_layout(data)
         plan = self._plans.get(layout, False) if layout is not None else False
         if plan is False:   # a layout not seen here
@@ -141,6 +149,11 @@ class Packer:
         # then wait for the front's busy gRPC threads to give it back, up to the switch
         # interval (5 ms) each time; see docs/benchmarks.md, round 13.
         source, target = memoryview(data), slot.data
-        for start, at, n in plan.copies:
-            target[at:at + n] = source[start:start + n]
+        stream = (self._stream_copy if address is not None and type(data) is bytes
+                  else None)
+        for start, at, n in plan.copies:   # in bounds: the layout is one of len(data)
+            if stream is not None and n >= STREAM_MIN_BYTES:
+                stream(address + at, data, start, n)
+            else:
+                target[at:at + n] = source[start:start + n]
         return plan.descriptor + key

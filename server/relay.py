@@ -181,10 +181,10 @@ class FrontStream:
         self._relay.end(self)
 
 
-#: Writes a request's arrays into a slot (uint8) in the packed layout and returns the
-#: descriptor to send, or None (or a raise) to send the request as it came
-#: (server/packing.py's Packer).
-Pack = Callable[[bytes, np.ndarray], "bytes | None"]
+#: Writes a request's arrays into a slot (uint8, at the given host address) in the packed
+#: layout and returns the descriptor to send, or None (or a raise) to send the request as it
+#: came (server/packing.py's Packer).
+Pack = Callable[[bytes, np.ndarray, int], "bytes | None"]
 
 
 class _Answer:
@@ -298,7 +298,7 @@ class RelayFront:
         descriptor = None
         if self._pack is not None:
             try:
-                descriptor = self._pack(data, self.slots.array(slot))
+                descriptor = self._pack(data, self.slots.array(slot), self.slots.address(slot))
             except Exception:  # noqa: BLE001 — a packing fault: the bytes go as they came
                 if not self._pack_failed:   # once: it may fail for every request
                     self._pack_failed = True

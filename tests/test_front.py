@@ -52,8 +52,11 @@ def pair(make_server, request):
     front.packed = None   # the Packer's answers, when it packs
     if request.param:
         pack, front.packed = front._relay._pack, []
-        front._relay._pack = lambda data, slot: front.packed.append(pack(data, slot)) \
-            or front.packed[-1]
+
+        def counted(data, slot, address):
+            front.packed.append(pack(data, slot, address))
+            return front.packed[-1]
+        front._relay._pack = counted
     yield plain, front
     front.stop(0)
 

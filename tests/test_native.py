@@ -197,3 +197,16 @@ def test_a_timed_build_counts_and_times_each_driver_call(cache, tmp_path):
     done = subprocess.run([sys.executable, "-c", TIMED_CALLS], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_stream_copy_copies_every_length_and_alignment(cache):
+    copy = native.load(cuda=False).stream_copy
+    rng = np.random.default_rng(9)
+    source = rng.integers(0, 256, 70_000, np.uint8).tobytes()
+    for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 129, 1000, 65_536 + 13):
+        for at in (0, 1, 7, 15, 16):           # the target's alignment
+            for offset in (0, 3, 64):          # where in the source
+                target = np.full(n + 64, 0xEE, np.uint8)
+                copy(target.ctypes.data + at, source, offset, n)
+                assert target[at:at + n].tobytes() == source[offset:offset + n], (n, at, offset)
+                assert (target[:at] == 0xEE).all() and (target[at + n:] == 0xEE).all()

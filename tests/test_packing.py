@@ -22,10 +22,11 @@ from duelq.server.backend import StepOutputs
 from duelq.server.batch import FEATURE_DTYPES, Batch, PackedBatch, packed_layout, validate_batch
 from duelq.server.errors import InvalidArgument, ResourceExhausted
 from duelq.server.learner import Learner
-from duelq.server.packing import DESCRIPTOR, Packer, read_packed
+from duelq.server.packing import DESCRIPTOR, STREAM_MIN_BYTES, Packer, read_packed
 from duelq.server.reference import ReferenceBackend
 from duelq.server.relay import RelayFront, RelayLearner, SlotPool
-from duelq.server.service import LearnerService, Limits, decode_batch, refusal
+from duelq.server.service import (EncodedTrainResponse, LearnerService, Limits, decode_batch,
+                                  refusal)
 from duelq.server.wire import parse_train_request
 from duelq.v1 import learner_pb2 as pb
 
@@ -197,15 +198,21 @@ def _both(service: LearnerService, data: bytes) -> tuple:
                     else "reference")
     twin.learner.load(service.learner.snapshot())
 
-    def answer(service: LearnerService, prepare):
+    def answer(service: LearnerService, prepare, encoded: bool):
         try:
-            with prepare() as job:
-                return service.apply_train(job, None)
+            with prepare() as job:   # the packed request answered in bytes, as the relay does
+                response = service.apply_train(job, None, encoded=encoded)
         except Exception as exc:  # noqa: BLE001 — compared as the client would see it
             return refusal(exc, "TrainStream", "test")
+        if not encoded:
+            return response
+        assert isinstance(response, EncodedTrainResponse)
+        parsed = pb.TrainResponse.FromString(response.SerializeToString())
+        assert parsed.SerializeToString() == response.SerializeToString()   # canonical
+        return parsed
     packed = answer(service, lambda: service.relay_prepare_packed(
-        descriptor, memoryview(slot), slot.ctypes.data))
-    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False, None))
+        descriptor, memoryview(slot), slot.ctypes.data), True)
+    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False, None), False)
     return packed, unpacked
 
 
@@ -451,3 +458,29 @@ def test_a_relay_whose_first_front_closed_reads_no_other_front_while_it_drains()
         go.set()
         second_front.close()
         learner.close()
+
+
+def test_a_packer_with_the_stream_copy_writes_the_same_slot():
+    """The large arrays go through the stream copy, the small ones are copied as before,
+    and the slot's bytes are those of a plain Packer's."""
+    from duelq.server import native
+    try:
+        stream = native.load(cuda=False).stream_copy
+    except native.NativeUnavailable as exc:
+        pytest.skip(str(exc))
+    calls = []
+
+    def counted(address: int, data: bytes, offset: int, n: int) -> None:
+        calls.append(n)
+        stream(address, data, offset, n)
+    rows = STREAM_MIN_BYTES // (4 * SMALL.hidden_dim) + 3   # features just over the bar
+    rng = np.random.default_rng(12)
+    for wire, large in (("float32", 2), ("float16", 0)):
+        calls.clear()
+        data = encode_batch_wire(random_batch(rng, rows), feature_dtype=wire, actor_id="a",
+                                 seq=1)
+        plain, streamed = _slot(1 << 20), _slot(1 << 20)
+        want = Packer().pack(data, plain)
+        got = Packer(counted).pack(data, streamed[1:], streamed.ctypes.data + 1)  # unaligned
+        assert got == want and streamed[1:].tobytes() == plain[:-1].tobytes()
+        assert calls == [4 // (1 + (wire == "float16")) * rows * SMALL.hidden_dim] * large
