@@ -133,17 +133,20 @@ def test_socket_cost_times_each_call_and_the_readers_cpu():
     assert bad.returncode == 2 and "--messages" in bad.stderr
 
 
-def test_relay_path_drives_the_learner_end_from_front_processes():
+@pytest.mark.parametrize("copies", [[], ["--plain-copies"]])
+def test_relay_path_drives_the_learner_end_from_front_processes(copies):
     """benchmarks/relay_path.py: two front processes stream to the learner end on the null
-    backend; it prints steps/s, CPU per step, the relay thread's part of it and that less
-    the device wait (none here), and with --parts the thread's parts (the values are not
-    checked beyond the thread's part being within the whole and each part being there)."""
+    backend (B = 160: features over the stream copy's 64 KiB, unless --plain-copies); it
+    prints steps/s, CPU per step, the relay thread's part of it and that less the device
+    wait (none here), and with --parts the thread's parts (the values are not checked
+    beyond the thread's part being within the whole and each part being there)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "relay_path.py"
     done = subprocess.run([sys.executable, str(script), "--backend", "null", "--fronts", "2",
-                           "--streams", "1", "--batch", "32", "--duration", "0.5", "--parts"],
-                          capture_output=True, text=True, timeout=120)
+                           "--streams", "1", "--batch", "160", "--duration", "0.5", "--parts",
+                           *copies], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "null, B = 32 float32, 2 fronts × 1 streams" in done.stdout
+    assert "null, B = 160 float32, 2 fronts × 1 streams" in done.stdout
+    assert done.stdout.count("packed by the fronts, plain copies") == len(copies)
     parts = dict(re.findall(r"^\| ([a-z][^|]*) \| (-?[\d.]+) \|$", done.stdout, re.MULTILINE))
     assert len(parts) == 6 and float(parts["frames read"]) > 0, done.stdout
     assert float(parts["prepare"]) > 0 and float(parts["reply"]) > 0
