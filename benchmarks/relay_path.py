@@ -25,7 +25,8 @@ benchmarks/learner_path.py's one-thread figure.  ``--backend null`` steps with n
 arithmetic and leaves the values unchecked on the host, as cuda does (its kernel checks
 them): the service and relay alone.  ``--parts`` also times the relay thread's parts
 (frames read, prepare, step, reply, the answer's bookkeeping) in thread CPU time, by
-wrapping those methods of the RelayLearner, at two clock reads (system calls) each.
+wrapping those methods of the RelayLearner, at two clock reads (system calls) each, and
+counts the reads of a front's socket per request.
 ``--driver-calls`` (cuda, host calls in C) builds server/native.c with a clock around each
 driver call and reports each one's wall µs per step (the sync's is the device wait).
 """
@@ -113,13 +114,15 @@ class _PartClocks:
 
     def __init__(self, relay):
         self.spent = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = dict.fromkeys(self.PARTS, 0)
         for name in self.PARTS:
             setattr(relay, name, self._timed(name, getattr(relay, name)))
 
     def _timed(self, name: str, method):
-        spent, clock = self.spent, time.thread_time
+        spent, calls, clock = self.spent, self.calls, time.thread_time
 
         def timed(*args):
+            calls[name] += 1
             start = clock()
             try:
                 return method(*args)
@@ -203,12 +206,14 @@ def _learner(args: argparse.Namespace) -> dict:
         steps, relay_cpu = learner.step_count, time.clock_gettime(clock)
         waited = getattr(learner.backend, "sync_seconds", 0.0)
         parts = dict(clocks.spent) if clocks else {}
+        reads = clocks.calls["_read"] if clocks else 0
         calls = _driver_calls(args)
         time.sleep(args.duration)
         waited = getattr(learner.backend, "sync_seconds", 0.0) - waited
         calls = {name: (t - calls[name][0], n - calls[name][1])
                  for name, (t, n) in _driver_calls(args).items()}
         parts = {name: clocks.spent[name] - t for name, t in parts.items()}
+        reads = clocks.calls["_read"] - reads if clocks else 0
         relay_cpu = time.clock_gettime(clock) - relay_cpu
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -232,6 +237,7 @@ def _learner(args: argparse.Namespace) -> dict:
     return {"steps_per_s": steps / wall, "cpu_us_per_step": cpu * per_step,
             "relay_us_per_step": relay_cpu * per_step, "wait_us_per_step": waited * per_step,
             "parts_us_per_step": {name: t * per_step for name, t in parts.items()},
+            "reads_per_step": reads / max(steps, 1),
             "driver_calls_per_step": {name: (t * per_step, n / max(steps, 1))
                                       for name, (t, n) in calls.items()},
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
@@ -296,6 +302,7 @@ def main() -> None:
         print("\n| relay thread part | µs/step |\n|---|---|")
         for name, value in rows.items():
             print(f"| {name} | {value:.1f} |")
+        print(f"\nreads of a front's socket per request: {result['reads_per_step']:.2f}")
     calls = result["driver_calls_per_step"]
     if calls:
         print("\n| driver call | calls/step | wall µs/step |\n|---|---|---|")

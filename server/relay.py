@@ -331,11 +331,16 @@ class RelayFront:
                 pass
 
     def _send(self, frame: bytes, payload: bytes = b"") -> None:
+        """Send a frame and its payload in one system call where the socket takes them whole
+        (the learner then reads them together), the rest after."""
         try:
             with self._send_lock:
-                self._sock.sendall(frame)
-                if payload:
-                    self._sock.sendall(payload)
+                sent = self._sock.sendmsg((frame, payload)) if payload else 0
+                if sent < len(frame):
+                    self._sock.sendall(frame[sent:])
+                    sent = len(frame)
+                if sent - len(frame) < len(payload):
+                    self._sock.sendall(memoryview(payload)[sent - len(frame):])
         except OSError as exc:
             raise RelayClosed(f"the learner process went away ({exc})") from None
 

@@ -147,6 +147,9 @@ def test_relay_path_drives_the_learner_end_from_front_processes(copies):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "null, B = 160 float32, 2 fronts × 1 streams" in done.stdout
     assert done.stdout.count("packed by the fronts, plain copies") == len(copies)
+    reads = re.search(r"^reads of a front's socket per request: ([\d.]+)$", done.stdout,
+                      re.MULTILINE)
+    assert reads and float(reads.group(1)) > 0, done.stdout
     parts = dict(re.findall(r"^\| ([a-z][^|]*) \| (-?[\d.]+) \|$", done.stdout, re.MULTILINE))
     assert len(parts) == 6 and float(parts["frames read"]) > 0, done.stdout
     assert float(parts["prepare"]) > 0 and float(parts["reply"]) > 0

@@ -484,3 +484,27 @@ def test_a_packer_with_the_stream_copy_writes_the_same_slot():
         got = Packer(counted).pack(data, streamed[1:], streamed.ctypes.data + 1)  # unaligned
         assert got == want and streamed[1:].tobytes() == plain[:-1].tobytes()
         assert calls == [4 // (1 + (wire == "float16")) * rows * SMALL.hidden_dim] * large
+
+
+@pytest.mark.parametrize("first", [0, 5, 24, 30, 24 + 1000])
+def test_a_front_sends_a_frame_and_its_payload_whole_however_far_one_call_gets(first):
+    """RelayFront._send: one sendmsg for frame and payload; whatever it leaves unsent (a
+    signal, a full socket) follows, so the learner reads the same bytes."""
+    class Socket:
+        def __init__(self):
+            self.out = bytearray()
+
+        def sendmsg(self, buffers):
+            data = b"".join(buffers)
+            self.out += data[:first]
+            return min(first, len(data))
+
+        def sendall(self, data):
+            self.out += data
+    frame, payload = bytes(range(24)), bytes(range(256)) * 4
+    front = types.SimpleNamespace(_sock=Socket(), _send_lock=threading.Lock())
+    RelayFront._send(front, frame, payload)
+    assert bytes(front._sock.out) == frame + payload
+    front._sock.out.clear()
+    RelayFront._send(front, frame)   # no payload: the frame alone
+    assert bytes(front._sock.out) == frame
