@@ -8,8 +8,9 @@ Builds a server's service on ``--backend`` (``null``: steps with no arithmetic, 
 left unchecked on the host as on cuda) and, for each request, does what the learner
 process of ``--front-process`` does with it once a front has packed its arrays into a slot
 of a (page-locked on cuda) slot pool (server/packing.py's Packer, as the fronts do since
-round 13): ``relay_prepare_packed`` (the descriptor, the key, the checks left, the copy
-towards the device), ``apply_train`` (idempotency key, step, response) and serialise the
+round 13, its large arrays written past the cache since round 16): ``relay_prepare_packed``
+(the descriptor, the key, the checks left, the copy towards the device), ``apply_train``
+(idempotency key, step, response in wire bytes where the build has them) and serialise the
 response: the learner's share, timed around those three.  ``--unpacked``: the fronts'
 copies are the requests' bytes as they came, and ``relay_prepare`` parses and decodes them
 (before round 13).  Requests carry distinct keys, as from an actor (their batches cycle
@@ -96,7 +97,11 @@ def main() -> None:
     backend.register_host(pool.bytes)
     if not args.unpacked:   # a build from before round 13 has no packing.py
         from duelq.server.packing import Packer
-        packer = Packer()
+        try:   # the fronts' slot writes, past the cache since round 16
+            from duelq.server.native import stream_copy
+            packer, by_address = Packer(stream_copy()), True
+        except ImportError:   # an older build: plain copies
+            packer, by_address = Packer(), False
     packed = 0   # requests the learner took packed
 
     def copy(slot: int, data: bytes) -> bytes:
@@ -105,7 +110,8 @@ def main() -> None:
         if args.unpacked:
             pool.write(slot, data)
             return b""
-        descriptor = packer.pack(data, pool.array(slot))
+        descriptor = (packer.pack(data, pool.array(slot), pool.address(slot)) if by_address
+                      else packer.pack(data, pool.array(slot)))
         if descriptor is None:
             raise SystemExit(f"a B = {args.batch} request does not pack into a slot")
         return descriptor

@@ -65,10 +65,10 @@ def _front(args: argparse.Namespace) -> None:
     bodies = [encode_batch_wire(make_batch(rng, args.batch, config.hidden_dim,
                                            config.n_actions, "float32"))
               for _ in range(BODIES)]
+    streams = None if args.plain_copies or args.unpacked else stream_copy()
     front = RelayFront(socket.socket(fileno=args.sock_fd),
                        SlotPool(SLOTS, args.slot_size, fd=args.pool_fd),
-                       None if args.unpacked else
-                       Packer(None if args.plain_copies else stream_copy()).pack)
+                       None if args.unpacked else Packer(streams).pack)
     counts = [0] * args.streams
     end = args.start_at + WARMUP_S + args.duration + 0.2
 
@@ -103,7 +103,8 @@ def _front(args: argparse.Namespace) -> None:
     for thread in threads:
         thread.join()
     front.close()
-    print(json.dumps({"answers": sum(counts), "late_s": max(0.0, late)}))
+    print(json.dumps({"answers": sum(counts), "late_s": max(0.0, late),
+                      "stream_copy": streams is not None}))
 
 
 class _PartClocks:
@@ -240,7 +241,8 @@ def _learner(args: argparse.Namespace) -> dict:
             "reads_per_step": reads / max(steps, 1),
             "driver_calls_per_step": {name: (t * per_step, n / max(steps, 1))
                                       for name, (t, n) in calls.items()},
-            "answers": answers, "host_calls": getattr(learner.backend, "host_path", None)}
+            "answers": answers, "host_calls": getattr(learner.backend, "host_path", None),
+            "stream_copy": all(r["stream_copy"] for r in reports)}
 
 
 def main() -> None:
@@ -283,7 +285,7 @@ def main() -> None:
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
           f"{args.streams} streams × window {args.window}, {args.duration:g} s, requests "
           f"{'as they came' if args.unpacked else 'packed by the fronts'}"
-          f"{', plain copies' if args.plain_copies and not args.unpacked else ''}")
+          f"{', plain copies' if not (args.unpacked or result['stream_copy']) else ''}")
     print("| steps/s | learner process CPU µs/step | of which the relay thread "
           "| of which the device wait | the relay thread's host work |")
     print("|---|---|---|---|---|")

@@ -166,8 +166,9 @@ int duelq_step(struct duelq_step *s) {
     return r;
 }
 
-/* duelq_stream_copy: src[offset, offset + n) to dst, the aligned part with non-temporal
- * stores, which go to memory without taking cache lines: a front process writes a batch
+/* duelq_stream_copy: src[offset, offset + n) to dst, its whole 64-byte blocks from dst's
+ * first 16-byte boundary on with non-temporal stores (the ≤ 15 bytes before and ≤ 63 after
+ * with memcpy), which go to memory without taking cache lines: a front process writes a batch
  * into its relay slot for the device's copy engine alone to read, and a cached write would
  * evict what the learner process's thread works on from the cache they share
  * (docs/benchmarks.md, round 16).  Fenced, so the bytes are visible before whatever this

@@ -113,9 +113,10 @@ def _plan(data: bytes) -> tuple[object, _Plan | None]:
 class Packer:
     """A front process's packing of train requests into relay slots (thread-safe).
 
-    ``stream_copy`` (server/native.py's): arrays of :data:`STREAM_MIN_BYTES` or more are
-    written with non-temporal stores, which leave the caches shared with the learner
-    process's thread alone (only the device's copy engine reads a slot)."""
+    ``stream_copy`` (server/native.py's): where :meth:`pack` is given the slot's address and
+    the request as ``bytes``, arrays of :data:`STREAM_MIN_BYTES` or more are written with
+    non-temporal stores, which leave the caches shared with the learner process's thread
+    alone (only the device's copy engine reads a slot)."""
 
     def __init__(self, stream_copy: Callable[[int, bytes, int, int], None] | None = None):
         self._plans: dict[object, _Plan | None] = {}   # by wire layout
@@ -123,10 +124,10 @@ class Packer:
         self._stream_copy = stream_copy
 
     def pack(self, data: bytes, slot: np.ndarray, address: int | None = None) -> bytes | None:
-        """Write request ``data``'s arrays into ``slot`` (uint8, at host ``address`` when
-        given: then the large ones with the stream copy) in the packed layout and return the
-        descriptor to send; None (``slot`` left as it was) when the request does not pack,
-        or does not fit."""
+        """Write request ``data``'s arrays into ``slot`` (uint8; ``address``, when given,
+        must be where ``slot`` starts: the large arrays then go through the stream copy) in
+        the packed layout and return the descriptor to send, with the key's canonical bytes;
+        None (``slot`` left as it was) when the request does not pack, or does not fit."""
         layout = known_layout(data)
         plan = self._plans.get(layout, False) if layout is not None else False
         if plan is False:   # a layout not seen here
@@ -140,9 +141,9 @@ class Packer:
             return None
         key = b""
         if layout.key is not None:   # (start, stop) of the key's bytes
-            key = data[layout.key[0]:layout.key[1]]
-            try:
-                pb.RequestKey.FromString(key)
+            try:   # canonical, as the learner echoes them in its answer
+                key = pb.RequestKey.FromString(data[layout.key[0]:layout.key[1]]
+                                               ).SerializeToString()
             except Exception:  # noqa: BLE001 — upb's DecodeError: the learner words it
                 return None
         # Copied holding the GIL: a copy that lets it go (NumPy's, past 500 elements) must

@@ -107,6 +107,17 @@ class SlotPool:
         os.close(self.fd)
 
 
+def _send_whole(sock: socket.socket, frame: bytes, payload: bytes) -> None:
+    """``frame`` then ``payload`` in one system call where the socket takes them whole (the
+    reader then gets them together), the rest (after a signal, say) after it."""
+    sent = sock.sendmsg((frame, payload)) if payload else 0
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+        sent = len(frame)
+    if sent - len(frame) < len(payload):
+        sock.sendall(memoryview(payload)[sent - len(frame):])
+
+
 def _recv_exact(rfile, n: int) -> bytes:
     data = rfile.read(n)
     if len(data) != n:
@@ -331,16 +342,9 @@ class RelayFront:
                 pass
 
     def _send(self, frame: bytes, payload: bytes = b"") -> None:
-        """Send a frame and its payload in one system call where the socket takes them whole
-        (the learner then reads them together), the rest after."""
         try:
             with self._send_lock:
-                sent = self._sock.sendmsg((frame, payload)) if payload else 0
-                if sent < len(frame):
-                    self._sock.sendall(frame[sent:])
-                    sent = len(frame)
-                if sent - len(frame) < len(payload):
-                    self._sock.sendall(memoryview(payload)[sent - len(frame):])
+                _send_whole(self._sock, frame, payload)
         except OSError as exc:
             raise RelayClosed(f"the learner process went away ({exc})") from None
 
@@ -851,10 +855,7 @@ class RelayLearner:
                payload: bytes) -> None:
         frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
         try:
-            sock = stream.front.sock
-            sent = sock.sendmsg((frame, payload))   # one system call, no joined copy
-            if sent < len(frame) + len(payload):   # cut short (a signal, say)
-                sock.sendall(memoryview(frame + payload)[sent:])
+            _send_whole(stream.front.sock, frame, payload)   # no joined copy
         except OSError:
             pass   # the front is gone; the loop sees it too
 

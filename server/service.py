@@ -232,19 +232,17 @@ _ZERO_DOUBLE = bytes(8)
 
 def encoded_train_response(result: StepResult, key: bytes) -> EncodedTrainResponse:
     """:func:`train_response` of ``result`` and a key given as its wire bytes, written
-    straight to protobuf's canonical bytes (field order, defaults left out), the vectors
-    copied once: ≈ 1 against 5 µs a response at B = 1024 (docs/benchmarks.md, round 16).
-    The relay path's; tests hold it byte-equal to ``train_response(...).SerializeToString()``."""
+    straight to protobuf's canonical bytes (field order, defaults left out; the key's as
+    given, canonical from a front's Packer), the vectors copied once: ≈ 1 against 5 µs a
+    response at B = 1024 on the 2-core box (docs/benchmarks.md, round 16).  The relay
+    path's; tests hold it byte-equal to ``train_response(...).SerializeToString()``."""
     td = np.ascontiguousarray(result.td_errors, np.float32)          # [B]
     priorities = np.ascontiguousarray(result.priorities, np.float32)  # [B]
-    rows = td.shape[0]
-    head_td, head_priorities = _vector_heads(rows, td.nbytes)
-    parts = [_double_field(b"\x09", result.loss), head_td]
-    if rows:
-        parts.append(memoryview(td).cast("B"))
-    parts.append(head_priorities)
-    if rows:
-        parts.append(memoryview(priorities).cast("B"))
+    parts = [_double_field(b"\x09", result.loss)]
+    for number, vector in ((2, td), (3, priorities)):
+        parts.append(tensor_head(number, pb.DTYPE_FLOAT32, vector.shape, vector.nbytes))
+        if vector.nbytes:
+            parts.append(memoryview(vector).cast("B"))
     parts += (_double_field(b"\x21", result.q_taken_mean),
               _double_field(b"\x29", result.grad_norm),
               b"\x30" + varint(result.step) if result.step else b"",
@@ -252,20 +250,13 @@ def encoded_train_response(result: StepResult, key: bytes) -> EncodedTrainRespon
     if result.entropy is not None:   # optional: present even when 0
         parts.append(b"\x41" + _DOUBLE.pack(result.entropy))
     parts += (b"\x4a", varint(len(key)), key)   # the key is always set
-    return EncodedTrainResponse(b"".join(parts), result.step, result.loss, rows)
+    return EncodedTrainResponse(b"".join(parts), result.step, result.loss, td.shape[0])
 
 
 def _double_field(tag: bytes, value: float) -> bytes:
     """A proto3 double field: left out when its bits are all zero (-0.0 is written)."""
     packed = _DOUBLE.pack(value)
     return b"" if packed == _ZERO_DOUBLE else tag + packed
-
-
-@functools.lru_cache(maxsize=64)
-def _vector_heads(rows: int, nbytes: int) -> tuple[bytes, bytes]:
-    """The framing before td_errors' and priorities' data: float32 [rows]."""
-    return (tensor_head(2, pb.DTYPE_FLOAT32, (rows,), nbytes),
-            tensor_head(3, pb.DTYPE_FLOAT32, (rows,), nbytes))
 
 
 @functools.lru_cache(maxsize=64)

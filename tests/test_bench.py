@@ -146,7 +146,14 @@ def test_relay_path_drives_the_learner_end_from_front_processes(copies):
                            *copies], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "null, B = 160 float32, 2 fronts × 1 streams" in done.stdout
-    assert done.stdout.count("packed by the fronts, plain copies") == len(copies)
+    plain = bool(copies)
+    if not plain:   # the stream copy where server/native.c builds here
+        from duelq.server import native
+        try:
+            native.load(cuda=False)
+        except native.NativeUnavailable:
+            plain = True
+    assert done.stdout.count("packed by the fronts, plain copies") == plain
     reads = re.search(r"^reads of a front's socket per request: ([\d.]+)$", done.stdout,
                       re.MULTILINE)
     assert reads and float(reads.group(1)) > 0, done.stdout

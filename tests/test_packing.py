@@ -508,3 +508,20 @@ def test_a_front_sends_a_frame_and_its_payload_whole_however_far_one_call_gets(f
     front._sock.out.clear()
     RelayFront._send(front, frame)   # no payload: the frame alone
     assert bytes(front._sock.out) == frame
+
+
+@pytest.mark.parametrize("key", [
+    b"\x10\x01\x0a\x01a",           # seq before actor_id
+    b"\x0a\x01a\x10\x81\x80\x00",   # seq 1 in a padded varint
+    b"\x0a\x01b\x0a\x01a\x10\x01",  # actor_id twice: the last one counts
+])
+def test_a_non_canonical_key_is_answered_in_canonical_bytes(key):
+    """The front sends the key's canonical bytes, so the learner's encoded answer is the
+    one the unpacked request gets, byte for byte."""
+    batch = random_batch(np.random.default_rng(8), 4)
+    data = encode_batch_wire(batch) + b"\x42" + bytes([len(key)]) + key   # key: field 8
+    assert pb.TrainRequest.FromString(data).key == pb.RequestKey(actor_id="a", seq=1)
+    descriptor = Packer().pack(data, _slot())
+    assert descriptor[DESCRIPTOR.size:] == pb.RequestKey(actor_id="a", seq=1).SerializeToString()
+    packed, unpacked = _both(_service(), data)
+    assert packed.SerializeToString() == unpacked.SerializeToString()
