@@ -12,6 +12,7 @@ import math
 import shutil
 import subprocess
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -389,9 +390,20 @@ def test_stream_and_rpc_concurrency_limits(make_server, rng):
     assert next(first).step == 1                 # the one stream allowed is open
     code, details = code_of(lambda: next(s.TrainStream(iter([train_request(rng)]))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "TrainStreams" in details
-    reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-        held([reflection_pb2.ServerReflectionRequest(list_services="")]))
-    assert "duelq.v1.Learner" in str(next(reflect))   # a second running rpc...
+    # gRPC counts the refused stream until its termination has run on the server, a moment
+    # after the client saw it: until then a second rpc may still be refused.
+    deadline = time.monotonic() + 10
+    while True:
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            held([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        try:
+            answer = next(reflect)
+            break
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    assert "duelq.v1.Learner" in str(answer)   # a second running rpc...
     code, details = code_of(s.GetInfo, pb.GetInfoRequest())  # ...so a third is refused
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
     release.set()
