@@ -99,6 +99,14 @@ def _port_free(host: str, port: int) -> None:
                               f"server there?)") from exc
 
 
+def _reply_payload(context: grpc.ServicerContext, code: grpc.StatusCode, payload: bytes) -> bytes:
+    """A relayed reply's payload: the response's bytes when OK, else the rpc ends with
+    ``code`` and the payload as its details."""
+    if code is not grpc.StatusCode.OK:
+        context.abort(code, payload.decode(errors="replace"))
+    return payload
+
+
 def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota
     (``cpu_max``; what ``docker run --cpus`` sets), rounded up."""
@@ -384,9 +392,7 @@ class FrontServer:
             stream.submit(request)
             stream.done_sending()
             for code, payload in stream.replies():
-                if code is not grpc.StatusCode.OK:
-                    context.abort(code, payload.decode(errors="replace"))
-                return payload
+                return _reply_payload(context, code, payload)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away")
         finally:
             stream.close()
@@ -419,9 +425,7 @@ class FrontServer:
         threading.Thread(target=feed, name="duelq-front-feed", daemon=True).start()
         try:
             for code, payload in stream.replies():
-                if code is not grpc.StatusCode.OK:
-                    context.abort(code, payload.decode(errors="replace"))
-                yield payload
+                yield _reply_payload(context, code, payload)
             if not self._relay.alive:   # requests may have been dropped unanswered
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away; "
                               "retry with the same keys")
@@ -449,11 +453,9 @@ class FrontServer:
             def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
                 if self._relay is None:
                     context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-                code, payload = self._relay.call(method, request, _deadline(context),
-                                                 context.add_callback)
-                if code != grpc.StatusCode.OK:
-                    context.abort(code, payload.decode(errors="replace"))
-                return payload
+                reply = self._relay.call(method, request, _deadline(context),
+                                         context.add_callback)
+                return _reply_payload(context, *reply)
             return relayed
 
         def forward(request: bytes, context: grpc.ServicerContext) -> bytes:

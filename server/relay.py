@@ -762,9 +762,13 @@ class RelayLearner:
                 self._finish(stream)
 
     def _finish(self, stream: _LearnerStream) -> None:
-        if self._streams.pop((stream.front.index, stream.sid), None) is stream \
-                and stream.admitted:
-            self._close_stream()
+        """Forget ``stream`` (not another that took its id since) and release its place
+        among the open streams, if it had one."""
+        key = (stream.front.index, stream.sid)
+        if self._streams.get(key) is stream:
+            del self._streams[key]
+            if stream.admitted:
+                self._close_stream()
 
     def _prepare_next(self) -> _Item:
         """The next request received, checked and its copy started (a refusal is kept, to
@@ -797,8 +801,7 @@ class RelayLearner:
             except Exception as exc:  # noqa: BLE001 — every call is answered
                 log.exception("a relayed call (method %d) failed", method)
                 code, payload = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}".encode()
-            if self._streams.get((stream.front.index, stream.sid)) is stream:
-                del self._streams[stream.front.index, stream.sid]
+            self._finish(stream)   # never admitted: no stream place to release
             self._reply(stream, NO_SLOT, code, payload)
 
     def _answer(self, item: _Item) -> None:
