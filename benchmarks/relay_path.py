@@ -2,7 +2,7 @@
 
     python3 benchmarks/relay_path.py [--backend cuda|reference|null] [--fronts 4]
         [--streams 2] [--window 8] [--batch 1024] [--duration 5] [--host-calls …] [--parts]
-        [--driver-calls] [--unpacked] [--plain-copies]
+        [--driver-calls] [--unpacked] [--plain-copies] [--no-lane]
 
 This process plays a ``--front-process`` server's learner process: the service on
 ``--backend`` behind a RelayLearner (its one thread reads every front, prepares, steps and
@@ -29,6 +29,9 @@ wrapping those methods of the RelayLearner, at two clock reads (system calls) ea
 counts the reads of a front's socket per request.
 ``--driver-calls`` (cuda, host calls in C) builds server/native.c with a clock around each
 driver call and reports each one's wall µs per step (the sync's is the device wait).
+On cuda with host calls in C the relay runs with its fast lane, as the server does
+(server/lane.c; the share of requests it answered is printed); ``--no-lane`` leaves every
+request to the Python relay, as before round 17 (``--parts`` times that one's methods).
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ def _learner(args: argparse.Namespace) -> dict:
     from duelq.server.bench.actors import make_batch
     from duelq.server.bench.servers import serve_for_paths
     from duelq.server.config import LearnerConfig
+    from duelq.server.lane import Lane, cuda_engine
     from duelq.server.relay import RelayLearner, SlotPool
     from duelq.server.service import refusal
 
@@ -159,7 +163,7 @@ def _learner(args: argparse.Namespace) -> dict:
         from duelq.server import native
         native.time_calls()   # before the backend loads the library
     server = serve_for_paths(config, args.backend, args.host_calls)
-    relay, children, first_end = None, [], None
+    relay, lane, children, first_end = None, None, [], None
     try:
         service = server.service
         learner = service.learner
@@ -178,12 +182,14 @@ def _learner(args: argparse.Namespace) -> dict:
         # child fronts are all "other" fronts, so one that finishes first ends only its
         # streams.
         first, first_end = socket.socketpair()
+        if not args.no_lane and cuda_engine(learner.backend):   # as the server
+            lane = Lane(service)
         relay = RelayLearner(first, SlotPool(1, 4096), service.relay_prepare,
                              lambda job, call: service.apply_train(
                                  job, call, encoded=True).SerializeToString(),
                              refuse, open_stream=service.open_stream,
                              close_stream=service.close_stream,
-                             prepare_packed=service.relay_prepare_packed)
+                             prepare_packed=service.relay_prepare_packed, lane=lane)
         clocks = _PartClocks(relay) if args.parts else None
         relay.start()
         for (mine, _), pool in zip(ends, pools):
@@ -208,6 +214,7 @@ def _learner(args: argparse.Namespace) -> dict:
         waited = getattr(learner.backend, "sync_seconds", 0.0)
         parts = dict(clocks.spent) if clocks else {}
         reads = clocks.calls["_read"] if clocks else 0
+        taken = (lane.answers, lane.handovers) if lane else (0, 0)
         calls = _driver_calls(args)
         time.sleep(args.duration)
         waited = getattr(learner.backend, "sync_seconds", 0.0) - waited
@@ -215,6 +222,7 @@ def _learner(args: argparse.Namespace) -> dict:
                  for name, (t, n) in _driver_calls(args).items()}
         parts = {name: clocks.spent[name] - t for name, t in parts.items()}
         reads = clocks.calls["_read"] - reads if clocks else 0
+        taken = (lane.answers - taken[0], lane.handovers - taken[1]) if lane else None
         relay_cpu = time.clock_gettime(clock) - relay_cpu
         steps = learner.step_count - steps
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -242,6 +250,8 @@ def _learner(args: argparse.Namespace) -> dict:
             "driver_calls_per_step": {name: (t * per_step, n / max(steps, 1))
                                       for name, (t, n) in calls.items()},
             "answers": answers, "host_calls": getattr(learner.backend, "host_path", None),
+            "lane": None if taken is None else {"share": taken[0] / max(steps, 1),
+                                                "handovers": taken[1]},
             "stream_copy": all(r["stream_copy"] for r in reports)}
 
 
@@ -266,6 +276,9 @@ def main() -> None:
     parser.add_argument("--plain-copies", action="store_true",
                         help="the fronts write the slots with cached stores, not "
                              "non-temporal ones (as before round 16)")
+    parser.add_argument("--no-lane", action="store_true",
+                        help="cuda: the Python relay takes every request (no fast lane in C, "
+                             "server/lane.c), as before round 17")
     parser.add_argument("--front-child", type=int, dest="index", help=argparse.SUPPRESS)
     for name in ("--sock-fd", "--pool-fd", "--slot-size"):
         parser.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -278,6 +291,8 @@ def main() -> None:
         parser.error("--fronts, --streams, --window and --batch must be ≥ 1, --duration > 0")
     if args.driver_calls and (args.backend != "cuda" or args.host_calls == "python"):
         parser.error("--driver-calls needs --backend cuda and host calls in C")
+    if args.parts and args.backend == "cuda" and args.host_calls != "python" and not args.no_lane:
+        parser.error("--parts times the Python relay's methods: add --no-lane")
     result = _learner(args)
     if not result["answers"]:
         raise SystemExit("no request was answered")
@@ -285,7 +300,10 @@ def main() -> None:
     print(f"\n{args.backend}{calls}, B = {args.batch} float32, {args.fronts} fronts × "
           f"{args.streams} streams × window {args.window}, {args.duration:g} s, requests "
           f"{'as they came' if args.unpacked else 'packed by the fronts'}"
-          f"{', plain copies' if not (args.unpacked or result['stream_copy']) else ''}")
+          f"{', plain copies' if not (args.unpacked or result['stream_copy']) else ''}"
+          + (f", the fast lane (server/lane.c) answered {100 * result['lane']['share']:.1f} % "
+             f"({result['lane']['handovers']} handovers)" if result["lane"] else
+             ", no fast lane"))
     print("| steps/s | learner process CPU µs/step | of which the relay thread "
           "| of which the device wait | the relay thread's host work |")
     print("|---|---|---|---|---|")

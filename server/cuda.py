@@ -36,9 +36,10 @@ from cupy_backends.cuda.api import driver
 
 from ..kernels import source
 from .backend import Backend, StepOutputs, Upload
-from .batch import BFLOAT16, Batch, PackedBatch, packed_layout
+from .batch import BFLOAT16, FEATURE_DTYPES, Batch, PackedBatch, packed_layout
 from .config import LearnerConfig
-from .native import Native, NativeUnavailable, StepCall, UploadCall, load as load_native
+from .native import (LANE_SHAPES, LaneEngine, Native, NativeUnavailable, StepArgs, StepCall,
+                     UploadCall, load as load_native)
 from .state import LearnerState, Params
 
 log = logging.getLogger(__name__)
@@ -78,22 +79,6 @@ def unpack_params(flat: np.ndarray, hidden_dim: int, n_actions: int) -> Params:
     biases = flat[(N + 1) * H:(N + 1) * (H + 1)]
     return Params(w_v=weights[0].copy(), b_v=biases[:1].copy(),
                   W_a=np.ascontiguousarray(weights[1:].T), b_a=biases[1:].copy())
-
-
-class StepArgs(ctypes.Structure):
-    """Mirror of ``struct StepArgs`` in kernels/learner_step.cu, field for field
-    (``inputs`` is the C field ``in``)."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "state", "next", "isv", "isv_next", "observed", "observed_next", "inputs", "out",
-        "part_grad", "part_sq", "part_counts", "grad", "arrivals")] + [
-        ("max_norm", ctypes.c_double),
-        ("epoch", ctypes.c_uint),
-    ] + [(name, ctypes.c_int) for name in (
-        "batch", "rows_per_block", "has_weights", "double_dqn", "adam", "update_target",
-        "isv_size", "entropy_slot")] + [(name, ctypes.c_float) for name in (
-        "kappa", "priority_eps", "lr", "beta1", "beta2", "adam_eps", "step_size", "sqrt_bc2",
-        "tau", "ent_alpha", "ent_keep")]
 
 
 class UnpackArgs(ctypes.Structure):
@@ -269,6 +254,7 @@ class CudaBackend(Backend):
         self._registered: list[tuple[int, int]] = []   # page-locked host spans [lo, hi)
         self._native = self._host_path(native)
         self._free_uploads: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        self._lent: list[_Slot] = []   # the upload slots lent to the relay's fast lane
         for _ in range(UPLOAD_SLOTS):
             slot = _Slot()
             slot.call.unpack = self._unpack_fn.kernel.ptr
@@ -682,6 +668,80 @@ class CudaBackend(Backend):
         if status:
             driver.check_status(status)
         return call.totals[:]
+
+    # ---- the relay's fast lane (server/lane.py, server/lane.c) ----------------------
+    lane_uploads = UPLOAD_SLOTS
+
+    def lane_engine(self) -> LaneEngine:
+        """The lane's C engine over this backend (needs the native host path); its per-pump
+        fields are filled in by :meth:`lane_enter`."""
+        if self._native is None:
+            raise NativeUnavailable("the relay's fast lane needs the C host path")
+        c = self.config
+        engine = LaneEngine(call=self._step_call_address, hidden=c.hidden_dim,
+                            entropy=self._entropy_slot >= 0, lr=c.lr, beta1=c.beta1,
+                            beta2=c.beta2, target_period=c.target_update_period)
+        engine.args[:] = [ctypes.addressof(a) for a in self._args]
+        engine.params[:] = self._arg_param_addresses
+        return engine
+
+    def lane_enter(self, engine: LaneEngine) -> bool:
+        """Lend ``engine`` the backend for a pump: its upload slots (all free between
+        requests), buffers, step, epoch and current state copy; False (nothing lent) when a
+        slot is in use or the epochs are about to wrap (the Python path restarts them)."""
+        slots = []
+        while True:
+            try:
+                slots.append(self._free_uploads.get_nowait())
+            except queue.Empty:
+                break
+        if len(slots) != UPLOAD_SLOTS or self._epoch + (1 << 20) > 0xFFFFFFFF:
+            for slot in slots:
+                self._free_uploads.put(slot)
+            return False
+        self._lent = slots
+        for i, slot in enumerate(slots):
+            engine.uploads[i] = slot.call_address
+            engine.upload_device[i] = slot.staging.device_ptr
+            engine.upload_words[i] = slot.staging.device.size
+            slot.layout = ()   # its buffer is written by copies an unpack knows nothing of
+        out = self._outputs
+        engine.out_host, engine.out_device = out.host_ptr, out.device_ptr
+        engine.out_words = min(out.host.size, out.device.size)
+        engine.step, engine.epoch, engine.cur, engine.synced_s = (self._step, self._epoch,
+                                                                  self._cur, 0.0)
+        return True
+
+    def lane_exit(self, engine: LaneEngine) -> None:
+        """Take the backend back from ``engine`` after a pump (its steps are committed)."""
+        self._step, self._epoch, self._cur = engine.step, engine.epoch, engine.cur
+        self.sync_seconds += engine.synced_s
+        for slot in self._lent:
+            self._free_uploads.put(slot)
+        self._lent = []
+
+    def lane_shape(self, engine: LaneEngine, rows: int, kind: int) -> None:
+        """Let ``engine`` (lent) step batches of ``rows`` rows of FEATURE_KINDS ``kind``,
+        with or without weights: their kernel and grid, the buffers grown to hold them."""
+        H = self.config.hidden_dim
+        words = 2 * rows * H * FEATURE_DTYPES[kind].itemsize // 4 + 5 * rows
+        if engine.shapes >= LANE_SHAPES or 2 * rows * H + 5 * rows > UPLOAD_MAX_WORDS:
+            return
+        G, R, tile = self._shape(rows)
+        kernel = self._steps[kind][tile]
+        out = self._outputs
+        out.reserve(2 * rows + 1 + 5 * G)
+        engine.out_host, engine.out_device = out.host_ptr, out.device_ptr
+        engine.out_words = min(out.host.size, out.device.size)
+        for i, slot in enumerate(self._lent):
+            slot.staging.reserve_device(words)
+            engine.upload_device[i] = slot.staging.device_ptr
+            engine.upload_words[i] = slot.staging.device.size
+        i = engine.shapes
+        engine.shape_rows[i], engine.shape_kind[i], engine.shape_blocks[i] = rows, kind, G
+        engine.shape_rows_per_block[i], engine.shape_smem[i] = R, kernel.smem
+        engine.shape_fn[i] = kernel.ptr
+        engine.shapes = i + 1
 
     def commit(self) -> None:
         assert self._pending, "commit without a pending step"

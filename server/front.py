@@ -57,6 +57,7 @@ from .config import LearnerConfig
 from .errors import ResourceExhausted
 from .native import stream_copy
 from .packing import Packer
+from .lane import Lane, cuda_engine
 from .relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from .server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
@@ -619,11 +620,14 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
                 counters.append(metrics.relayed.labels(str(len(counters) + 1)))
             counters[index].inc()
 
+    lane = None
+    if options.relay_lane and cuda_engine(server.learner.backend):
+        lane = Lane(service, answered=None if metrics is None else metrics.observe_answer)
     relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
                          open_stream=open_stream, close_stream=close_stream,
                          prepare_packed=service.relay_prepare_packed, call=call,
                          depth=metrics.queue_depth if metrics is not None else None,
-                         refused=refused, relayed=relayed)
+                         refused=refused, relayed=relayed, lane=lane)
     relay.start()
     listener = None
     if options.front_processes > 1:   # the other fronts connect here, each with its slots

@@ -74,6 +74,8 @@ class ReplayGuard:
         self.capacity, self.window, self.max_actors = capacity, window, max_actors
         self._actors: OrderedDict[str, _Actor] = OrderedDict()
         self._responses: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self.journal: set[str] | None = None
+        """When a set, :meth:`record` adds each key's actor to it (server/lane.py reads it)."""
 
     @staticmethod
     def check_key(actor_id: str, seq: int) -> None:
@@ -82,6 +84,11 @@ class ReplayGuard:
             raise InvalidArgument("key.actor_id", f"is longer than {MAX_ACTOR_ID_BYTES} bytes")
         if actor_id and seq < 1:
             raise InvalidArgument("key.seq", "must be ≥ 1 when key.actor_id is set")
+
+    def high(self, actor_id: str) -> int:
+        """The highest seq applied for ``actor_id`` (0: none known): a higher one is new."""
+        actor = self._actors.get(actor_id)
+        return 0 if actor is None else actor.high
 
     def lookup(self, actor_id: str, seq: int, kind: type) -> Any | None:
         """The recorded response of an applied key, or None when the key is new.
@@ -114,6 +121,8 @@ class ReplayGuard:
 
     def record(self, actor_id: str, seq: int, response: Any) -> None:
         """Mark a key applied and keep its response."""
+        if self.journal is not None:
+            self.journal.add(actor_id)
         actor = self._actors.get(actor_id)
         if actor is None:
             actor = self._actors[actor_id] = _Actor()

@@ -129,7 +129,8 @@ class Learner:
         state = state if state is not None else LearnerState.initial(config)
         self.backend = (backend if isinstance(backend, Backend)
                         else make_backend(backend, config, state))
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        """Serialises the backend's use: steps, reads, snapshots."""
 
     @property
     def step_count(self) -> int:
@@ -165,7 +166,7 @@ class Learner:
         """Validate ``batch`` (unless prepared), run one step, commit it unless it is
         non-finite."""
         prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
-        with prepared, self._lock:
+        with prepared, self.lock:
             out = self.backend.propose(prepared.batch, prepared.upload)
             if not out.inputs_valid:  # the backend's check; the host names the culprit
                 self.backend.discard()
@@ -191,7 +192,7 @@ class Learner:
         if h.shape[0] > self.max_batch_size:
             raise ResourceExhausted(f"h: {h.shape[0]} rows exceed the limit "
                                     f"{self.max_batch_size}")
-        with self._lock:
+        with self.lock:
             return self.backend.q_values(h, target)
 
     def compute_entropy(self, actions: np.ndarray, slot: str | int,
@@ -203,13 +204,13 @@ class Learner:
             raise InvalidArgument("alpha", f"must be in (0, 1], got {alpha!r}")
         actions = validate_actions(actions, self.config.n_actions,
                                    max_len=self.max_batch_size)
-        with self._lock:
+        with self.lock:
             entropy, ema = self.backend.entropy(actions, index, float(alpha))
         return EntropyResult(entropy=entropy, ema=ema, slot=index)
 
     def weights(self, target: bool = False) -> tuple[Params, int]:
         """Host copy of θ (or θ⁻) and its version."""
-        with self._lock:
+        with self.lock:
             return self.backend.weights(target), self.backend.step
 
     def read_isv(self, slots: Iterable[str | int]) -> list[ISVValue]:
@@ -217,17 +218,17 @@ class Learner:
         slots = list(slots) or sorted(self.config.isv_slots, key=self.config.isv_slots.get)
         indices = np.array([self.config.slot_index(s) for s in slots], dtype=np.int64)
         names = {i: n for n, i in self.config.isv_slots.items()}
-        with self._lock:
+        with self.lock:
             values, observed = self.backend.read_isv(indices)
         return [ISVValue(int(i), names.get(int(i), ""), float(v), bool(o))
                 for i, v, o in zip(indices, values, observed)]
 
     def snapshot(self) -> LearnerState:
         """Host copy of the whole state (for checkpoints and tests)."""
-        with self._lock:
+        with self.lock:
             return self.backend.snapshot()
 
     def load(self, state: LearnerState) -> None:
         """Replace the whole state, e.g. from a checkpoint."""
-        with self._lock:
+        with self.lock:
             self.backend.load(state)

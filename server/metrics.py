@@ -69,9 +69,11 @@ class Metrics:
             self._http.server_close()
             self._http = None
 
-    def observe_answer(self, response, started: float) -> None:
-        """Account one train answer given at ``time.perf_counter()`` − ``started``."""
-        self.step_latency.observe(time.perf_counter() - started)
+    def observe_answer(self, response, started: float, answered: float | None = None) -> None:
+        """Account one train answer given ``answered`` (default: now) − ``started`` after its
+        request arrived (``time.perf_counter()`` clocks)."""
+        self.step_latency.observe((time.perf_counter() if answered is None else answered)
+                                  - started)
         if not response.replayed:
             self.steps.inc()
             rows = getattr(response, "rows", None)   # an EncodedTrainResponse's

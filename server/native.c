@@ -28,10 +28,11 @@ static CUresult (*launch_cooperative)(CUfunction, unsigned, unsigned, unsigned, 
 static CUresult (*event_record)(CUevent, CUstream);
 static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
 static CUresult (*stream_synchronize)(CUstream);
+static CUresult (*event_synchronize)(CUevent);
 
 /* The entry points in duelq_init's order: the index of each in duelq_call_times. */
 enum { HTOD, DTOH, LAUNCH, LAUNCH_COOPERATIVE, EVENT_RECORD, STREAM_WAIT_EVENT,
-       STREAM_SYNCHRONIZE, CALLS };
+       STREAM_SYNCHRONIZE, EVENT_SYNCHRONIZE, CALLS };
 
 static double seconds(void) {
     struct timespec t;
@@ -84,6 +85,7 @@ int duelq_init(void) {
         {(void **)&event_record, "cuEventRecord"},
         {(void **)&stream_wait_event, "cuStreamWaitEvent"},
         {(void **)&stream_synchronize, "cuStreamSynchronize"},
+        {(void **)&event_synchronize, "cuEventSynchronize"},
     };
     for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
         *entries[i].fn = dlsym(cuda, entries[i].name);
@@ -117,6 +119,11 @@ int duelq_copy(const struct duelq_upload *u, CUdeviceptr dst, const void *src, s
     CUresult r = TIMED(HTOD, memcpy_htod(dst, src, nbytes, u->stream));
     if (r == 0) r = TIMED(EVENT_RECORD, event_record(u->copied, u->stream));
     return r;
+}
+
+/* Wait for ``event`` (an upload's copy, before its slot is reused: server/lane.c). */
+int duelq_event_sync(CUevent event) {
+    return TIMED(EVENT_SYNCHRONIZE, event_synchronize(event));
 }
 
 /* parts [5][blocks] float32 → totals [5] float64: each row added in block order, row 1

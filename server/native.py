@@ -26,18 +26,21 @@ import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native.c")
+#: Compiled into one library: the driver calls, and the relay's fast lane (server/lane.py).
+SOURCES = (Path(__file__).with_name("native.c"), Path(__file__).with_name("lane.c"))
 #: The block totals must add exactly as NumPy does: no fused multiply-add, no reassociation
 #: (these come after any flags in $CC, so they win).
 FLAGS = ("-O2", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off")
 #: The driver's entry points native.c calls, in its order (``Native.call_times``' keys).
 DRIVER_CALLS = ("cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuLaunchKernel",
                 "cuLaunchCooperativeKernel", "cuEventRecord", "cuStreamWaitEvent",
-                "cuStreamSynchronize")
+                "cuStreamSynchronize", "cuEventSynchronize")
+LANE_UPLOADS, LANE_SHAPES = 8, 16   # server/lane.c's UPLOADS and SHAPES
 _defines: tuple[str, ...] = ()   # -DDUELQ_TIME_CALLS after time_calls()
 
 
@@ -73,6 +76,41 @@ class StepCall(ctypes.Structure):
                 ("totals", ctypes.c_double * 5), ("synced_s", ctypes.c_double)]
 
 
+class StepArgs(ctypes.Structure):
+    """Mirror of ``struct StepArgs`` in kernels/learner_step.cu (and ``struct step_args`` in
+    server/lane.c), field for field (``inputs`` is the C field ``in``)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "state", "next", "isv", "isv_next", "observed", "observed_next", "inputs", "out",
+        "part_grad", "part_sq", "part_counts", "grad", "arrivals")] + [
+        ("max_norm", ctypes.c_double),
+        ("epoch", ctypes.c_uint),
+    ] + [(name, ctypes.c_int) for name in (
+        "batch", "rows_per_block", "has_weights", "double_dqn", "adam", "update_target",
+        "isv_size", "entropy_slot")] + [(name, ctypes.c_float) for name in (
+        "kappa", "priority_eps", "lr", "beta1", "beta2", "adam_eps", "step_size", "sqrt_bc2",
+        "tau", "ent_alpha", "ent_keep")]
+
+
+class LaneEngine(ctypes.Structure):
+    """Mirror of ``struct duelq_cuda_engine`` in server/lane.c: the relay's fast lane's CUDA
+    engine, filled in by ``CudaBackend.lane_enter``."""
+
+    _fields_ = [("args", ctypes.c_void_p * 2), ("params", ctypes.c_void_p * 2),
+                ("call", ctypes.c_void_p), ("out_host", ctypes.c_void_p),
+                ("out_device", ctypes.c_ulonglong), ("out_words", ctypes.c_size_t),
+                ("uploads", ctypes.c_void_p * LANE_UPLOADS),
+                ("upload_device", ctypes.c_ulonglong * LANE_UPLOADS),
+                ("upload_words", ctypes.c_size_t * LANE_UPLOADS)] + [
+        (name, ctypes.c_uint * LANE_SHAPES) for name in (
+            "shape_rows", "shape_kind", "shape_blocks", "shape_rows_per_block", "shape_smem")] + [
+        ("shape_fn", ctypes.c_void_p * LANE_SHAPES), ("shapes", ctypes.c_uint),
+        ("hidden", ctypes.c_uint), ("entropy", ctypes.c_int), ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+        ("target_period", ctypes.c_ulonglong), ("step", ctypes.c_ulonglong),
+        ("epoch", ctypes.c_uint), ("cur", ctypes.c_int), ("synced_s", ctypes.c_double)]
+
+
 def cache_dir() -> Path:
     """Where built libraries are kept: $DUELQ_CACHE_DIR, else $XDG_CACHE_HOME/duelq, else
     ~/.cache/duelq."""
@@ -92,32 +130,37 @@ def compiler() -> list[str]:
 
 
 def build(*, again: bool = False) -> Path:
-    """The shared library built from :data:`SOURCE` (compiled once per source, compiler,
+    """The shared library built from :data:`SOURCES` (compiled once per source, compiler,
     flags and machine; later calls find it in :func:`cache_dir`, unless ``again``)."""
     try:
         cc = compiler()
         flags = FLAGS + _defines
-        tag = hashlib.sha256(SOURCE.read_bytes() + repr(
+        tag = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr(
             (cc, flags, platform.machine())).encode()).hexdigest()[:16]
         lib = cache_dir() / f"duelq-native-{tag}.so"
     except (OSError, RuntimeError, ValueError) as exc:   # no source, no home, a bad $CC
-        raise NativeUnavailable(f"cannot build {SOURCE.name}: {exc}") from exc
+        raise NativeUnavailable(f"cannot build {_names()}: {exc}") from exc
     if lib.exists() and not again:
         return lib
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
-            done = subprocess.run([*cc, *flags, "-o", str(out), str(SOURCE), "-ldl"],
+            done = subprocess.run([*cc, *flags, "-o", str(out), *map(str, SOURCES), "-ldl",
+                                   "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
-                raise NativeUnavailable(f"{shlex.join(cc)} failed on {SOURCE.name}: "
+                raise NativeUnavailable(f"{shlex.join(cc)} failed on {_names()}: "
                                         f"{done.stderr.strip()[-500:]}")
             out.replace(lib)   # atomic: a concurrent build leaves one whole file
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeUnavailable(f"cannot build {SOURCE.name} with {shlex.join(cc)}: "
+        raise NativeUnavailable(f"cannot build {_names()} with {shlex.join(cc)}: "
                                 f"{exc}") from exc
     return lib
+
+
+def _names() -> str:
+    return " and ".join(s.name for s in SOURCES)
 
 
 class Native:
@@ -142,6 +185,7 @@ class Native:
         self.stream_copy.restype = None
         self.step = releases_gil.duelq_step
         self.step.argtypes = (ctypes.c_void_p,)
+        self.lane = _lane_functions(keeps_gil, releases_gil)
         self._init = keeps_gil.duelq_init
         self._call_times = keeps_gil.duelq_call_times
         self._call_times.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
@@ -165,6 +209,35 @@ class Native:
                 raise NativeUnavailable("libcuda.so.1 cannot be loaded" if missing < 0 else
                                         f"libcuda.so.1 lacks driver entry point #{missing}")
             self._cuda_ready = True
+
+
+def _lane_functions(keeps_gil: ctypes.PyDLL, releases_gil: ctypes.CDLL) -> SimpleNamespace:
+    """server/lane.c's functions, typed (``pump`` lets the GIL go: it waits for frames, and
+    calls back into Python with a Python engine)."""
+    vp, size, size_p = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
+    signatures = {
+        "new": (vp, (size, size, size)), "free": (None, (vp,)),
+        "set_engine": (None, (vp, vp)), "use_cuda": (None, (vp, vp, ctypes.c_int)),
+        "set_log_limit": (None, (vp, size)),
+        "front": (ctypes.c_int, (vp, ctypes.c_int, ctypes.c_int, vp, size, ctypes.c_uint)),
+        "stream": (ctypes.c_int, (vp, ctypes.c_int, ctypes.c_uint32, ctypes.c_int)),
+        "actor": (ctypes.c_int, (vp, ctypes.c_char_p, size, ctypes.c_uint64)),
+        "forget_actors": (None, (vp,)),
+        "log": (vp, (vp, size_p)), "handed": (vp, (vp, size_p)),
+        "unread": (vp, (vp, ctypes.c_int, size_p)),
+        "answered": (ctypes.c_ulonglong, (vp, ctypes.c_int)), "closed": (ctypes.c_int, (vp,)),
+        "miss": (ctypes.c_int, (vp, ctypes.c_uint * 4)), "settle": (None, (vp, ctypes.c_int)),
+        "encode": (size, (vp, vp, ctypes.c_uint, ctypes.c_uint64, ctypes.c_char_p, size)),
+        "encoded_max": (size, (ctypes.c_uint, size)), "layouts": (None, (size * 12,)),
+    }
+    functions = SimpleNamespace()
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(keeps_gil, f"duelq_lane_{name}")
+        fn.restype, fn.argtypes = restype, argtypes
+        setattr(functions, name, fn)
+    functions.pump = releases_gil.duelq_lane_pump
+    functions.pump.argtypes = (vp, ctypes.c_int, ctypes.c_int, ctypes.c_double)
+    return functions
 
 
 _lock = threading.Lock()

@@ -42,10 +42,13 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import grpc
 import numpy as np
+
+if TYPE_CHECKING:
+    from .lane import Lane
 
 log = logging.getLogger(__name__)
 
@@ -495,14 +498,19 @@ class RelayLearner:
 
     ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts.  When
     the first front's connection closes, the relay drains and ends; when another's does,
-    only that front's streams end."""
+    only that front's streams end.
+
+    ``lane`` (server/lane.py): whenever the thread has nothing of its own queued, the
+    lane's C loop takes over until it meets something for this one (it then hands back
+    what it holds, in order) or its time is up."""
 
     def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
                  refuse: Refusal, *, open_stream: Callable[[], None],
                  close_stream: Callable[[], None], prepare_packed: PreparePacked | None = None,
                  call: Call | None = None, depth: Gauge | None = None,
                  refused: Callable[[str, str], None] = lambda method, code: None,
-                 relayed: Callable[[int], None] = lambda front: None):
+                 relayed: Callable[[int], None] = lambda front: None,
+                 lane: "Lane | None" = None):
         self._fronts = [_Front(0, sock, slots)]
         self._joining = list(self._fronts)   # attached, not yet read (under _lock)
         self._lock = threading.Lock()        # attach() runs on other threads
@@ -513,6 +521,7 @@ class RelayLearner:
         self._prepare_packed = prepare_packed or _no_packed
         self._call = call or _no_calls
         self._open_stream, self._close_stream = open_stream, close_stream
+        self._lane = lane
         # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._received: deque[_Item] = deque()   # not yet prepared
@@ -574,24 +583,62 @@ class RelayLearner:
         once AHEAD are prepared behind it or none is left to prepare (a CALL read just then
         is answered first).  So a request is stepped only after the frames sent during its
         preparation are read (an END stops it), and the next one's copy to the device is
-        under way during its step."""
+        under way during its step.  With a lane, a pass that finds nothing queued lets the
+        lane run instead, and the requests it hands back are stepped without reading more
+        frames (an END then stops the requests after them)."""
         prepared, received = self._prepared, self._received
         while True:
             if self._joining:
                 self._join()
             if self._calls:   # between steps: a small rpc waits for no queue
                 self._answer_calls()
+            if (self._lane is not None and not (prepared or received or self._closing
+                                                or self._joining) and self._pump()):
+                continue
             if received and len(prepared) <= AHEAD:
                 prepared.append(self._prepare_next())
             elif not prepared and self._closing:
                 return
             # With a request to step, only look (frames are likely there), else wait for a
-            # frame or a wake.
-            self._look(0 if prepared else None)
+            # frame or a wake.  With a lane, the requests it gave back are stepped without
+            # reading more: it reads them once they are done, rather than this loop for as
+            # long as they keep coming.
+            if not (prepared and self._lane is not None):
+                self._look(0 if prepared else None)
             if self._calls:   # read just now: answered before the next step
                 continue
             if prepared and (len(prepared) > AHEAD or not received):
                 self._answer(prepared.popleft())
+
+    def _pump(self) -> bool:
+        """Let the lane run and take what it leaves: its answers counted, then the requests
+        it gave back, the streams it ENDed, the bytes it did not frame and a front's close,
+        in that order.  False when it did not run (or a front has bytes not yet framed
+        here)."""
+        fronts = [f for f in self._polled.values() if f is not None]
+        if any(front.unread for front in fronts):
+            return False
+        got = self._lane.pump([(f.index, f.fd, f.slots) for f in fronts], self._poll.fileno(),
+                              self._wake_in.fileno())
+        for index, n in got.answered.items():
+            for _ in range(n):
+                self._relayed(index)
+        for index, sid, slot, deadline, arrived, payload in got.requests:
+            front = self._fronts[index]
+            self._enqueue(front, sid, slot, front.slots.slot(slot, front.slots.size),
+                          deadline, payload, arrived)
+        for index, sid in got.ended:
+            self._end(self._fronts[index], sid)
+        for index, data in got.unread.items():
+            front = self._fronts[index]
+            front.unread += data
+            if not self._parse(front):
+                self._close_front(front)
+        if got.closed is not None:
+            front = self._fronts[got.closed]
+            if front.fd in self._polled:   # not shut just now by _parse
+                self._close_front(front)
+        return got.ran
 
     def _look(self, timeout: float | None = 0) -> None:
         """Read what the fronts sent (waiting up to ``timeout``; None: until something
@@ -665,6 +712,12 @@ class RelayLearner:
                 if not chunk:     # the end: the next look reads it
                     break
                 unread += chunk
+        return self._parse(front)
+
+    def _parse(self, front: _Front) -> bool:
+        """Act on the complete frames in ``front``'s unread bytes; False when one names no
+        slot of the front's (its connection is then shut)."""
+        unread = front.unread
         at, size = 0, _FRAME.size
         while len(unread) - at >= size:
             op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
@@ -724,7 +777,7 @@ class RelayLearner:
         log.info("relay closed (front process %d)", front.index + 1)
         for stream in list(self._streams.values()):
             if front.index == 0 or stream.front is front:
-                stream.ended = True
+                self._ended(stream)
                 if not stream.outstanding:   # else it ends with its last answer
                     self._finish(stream)
         if front.index == 0:
@@ -740,9 +793,12 @@ class RelayLearner:
                 code, details = self._refuse(exc, unary)
                 stream.failed = (code, details.encode())
         self._streams[front.index, sid] = stream
+        if self._lane is not None and stream.failed is None:
+            self._lane.open(front.index, sid)
 
     def _enqueue(self, front: _Front, sid: int, slot: int, data: memoryview,
-                 deadline: float, packed: bytes | None = None) -> None:
+                 deadline: float, packed: bytes | None = None,
+                 arrived: float | None = None) -> None:
         stream = self._streams.get((front.index, sid))
         if stream is None:   # not open (a front bug): answer, so its slot comes back
             self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
@@ -752,14 +808,23 @@ class RelayLearner:
         if self._depth is not None:
             self._depth.inc()
         stream.outstanding += 1
-        self._received.append(_Item(stream, slot, data, deadline, packed))
+        item = _Item(stream, slot, data, deadline, packed)
+        if arrived is not None:   # given back by the lane, which read it then
+            item.arrived = arrived
+        self._received.append(item)
 
     def _end(self, front: _Front, sid: int) -> None:
         stream = self._streams.get((front.index, sid))
         if stream is not None:
-            stream.ended = True
+            self._ended(stream)
             if not stream.outstanding:
                 self._finish(stream)
+
+    def _ended(self, stream: _LearnerStream) -> None:
+        """``stream`` ended: none of its requests not yet started will be applied."""
+        stream.ended = True
+        if self._lane is not None:
+            self._lane.forget(stream.front.index, stream.sid)
 
     def _finish(self, stream: _LearnerStream) -> None:
         """Forget ``stream`` (not another that took its id since) and release its place
@@ -767,6 +832,8 @@ class RelayLearner:
         key = (stream.front.index, stream.sid)
         if self._streams.get(key) is stream:
             del self._streams[key]
+            if self._lane is not None:
+                self._lane.forget(stream.front.index, stream.sid)
             if stream.admitted:
                 self._close_stream()
 
@@ -835,6 +902,8 @@ class RelayLearner:
                               stream.sid)
                 code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             stream.failed = (code, details.encode())
+            if self._lane is not None:
+                self._lane.forget(stream.front.index, stream.sid)
             return stream.failed
         finally:
             self._close(item)

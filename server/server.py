@@ -119,6 +119,10 @@ class ServerOptions:
     """With ``front_process``: the fronts write each train request's arrays into its slot in
     the step kernel's input layout where its dtypes and shapes allow (server/packing.py), so
     the learner neither parses nor unpacks it; off: every request goes as it came."""
+    relay_lane: bool = True
+    """With ``front_process`` on cuda (host calls in C): the learner process's relay loop
+    runs in C for packed requests of open streams with new keys, handing everything else
+    back to the Python loop (server/lane.py); off: the Python loop takes every request."""
     host_calls: str = "auto"
     """On cuda, where a step's driver calls are made: "native" (server/native.c, built with
     the host's C compiler on first use), "python", or "auto" (native where it builds)."""

@@ -20,6 +20,7 @@ new state changes (UNAVAILABLE) and waits for those admitted to finish.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -385,6 +386,22 @@ class LearnerService(pb_grpc.LearnerServicer):
     def _refuse_if_draining(self) -> None:
         if self._draining:
             raise NotServing("the server is shutting down; retry with the same key")
+
+    @contextlib.contextmanager
+    def lane_turn(self) -> Iterator[tuple[Learner, ReplayGuard, CheckpointWriter | None]
+                                    | None]:
+        """For server/lane.py, which applies a stretch of steps as one: (the learner, the
+        replay guard, the checkpoint writer) with the apply lock and the learner's lock
+        held throughout, as for one step; None (no lock taken) while no learner is attached
+        or the service drains."""
+        learner = self._learner
+        with self._queue_lock:
+            ready = learner is not None and not self._draining
+        if not ready:
+            yield None
+            return
+        with self._apply_lock, learner.lock:
+            yield learner, self._replay, self.checkpoints
 
     def _check_train_key(self, key: pb.RequestKey) -> None:
         """Refuse a train request's malformed key, or any while draining: early, before the

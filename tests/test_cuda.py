@@ -930,3 +930,61 @@ def test_learner_auto_picks_cuda():
     _, want = reference.train_step(LearnerState.initial(config), batch, config, np.float64)
     assert result.step == 1
     assert_scalar("loss", result.loss, want.loss)
+
+
+@pytest.mark.skipif(bool(NATIVE_WHY), reason=f"server/native.c unusable: {NATIVE_WHY}")
+def test_the_relays_fast_lane_answers_as_the_python_relay_does():
+    """The relay with its lane's CUDA engine (server/lane.c) against the relay without it,
+    both on cuda from one state: every answer byte-equal (replays and refusals included),
+    the same state and replay records.  The script has new and known actors, a repeat, an
+    unary rpc, an expired deadline, a NaN the kernel finds (handed back, stepped again and
+    refused by the relay), float32/16-bit features, batches with and without weights, and
+    sizes that make the lane's buffers grow, then long streams the lane takes."""
+    import time
+
+    from duelq.client.client import encode_batch_wire
+    from duelq.server.idempotency import ReplayGuard
+    from duelq.server.service import LearnerService, Limits
+    from test_lane import Relay
+    rng = np.random.default_rng(31)
+    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
+    start = random_state(config, rng, 0)
+
+    def request(B: int, actor: str = "", seq: int = 0, wire: str = "float32",
+                weights: bool = True, nan: bool = False) -> bytes:
+        batch = random_batch(rng, B, config, start, weights)
+        if nan:
+            batch.rewards[B // 2] = np.nan
+        return encode_batch_wire(batch, feature_dtype=wire, actor_id=actor, seq=seq)
+    script = [
+        (0, [request(1024, "a", s) for s in (1, 2, 3)], {}),
+        (1, [request(1024, weights=False), request(64), request(1024, wire="bfloat16")], {}),
+        (0, [request(3072, "a", 4), request(1024, "a", 2), request(1024, "a", 5)], {}),
+        (1, [request(1024, "b", 1, "float16"), request(1024, "b", 2, "float16", nan=True),
+             request(1024, "b", 3, "float16")], {}),
+        (0, [request(1024, "c", 1)], {"unary": True}),
+        (1, [request(1024, "d", 1)], {"deadline": time.monotonic() - 1}),
+        (0, [request(1024, "a", s, weights=s % 3 > 0) for s in range(6, 46)], {}),
+        (1, [request(1024, wire="bfloat16") for _ in range(12)], {}),
+    ]
+    answers, sums, guards, lanes = [], [], [], []
+    for lane in (None, "cuda"):
+        service = LearnerService(Limits(1 << 26, 1 << 16, 8),
+                                 replay=ReplayGuard(capacity=256, window=256))
+        service.attach(Learner(config, backend=cuda_backend(config, start, native=True)))
+        relay = Relay(service, lane=lane, slot_bytes=4 << 20)
+        try:
+            answers.append([relay.run(front, requests, **opened)
+                            for front, requests, opened in script])
+        finally:
+            relay.close()
+        sums.append(service.learner.snapshot().checksum())
+        guards.append(service.snapshot()[1]["replay"])
+        lanes.append(relay.lane)
+    plain, laned = answers
+    assert laned == plain
+    codes = [code.name for stream in plain for code, _ in stream]
+    assert codes.count("OK") == 3 + 3 + 3 + 1 + 1 + 40 + 12
+    assert {"INVALID_ARGUMENT", "DEADLINE_EXCEEDED"} <= set(codes)
+    assert sums[0] == sums[1] and guards[0] == guards[1]
+    assert lanes[1].answers >= 30, (lanes[1].answers, lanes[1].handovers)

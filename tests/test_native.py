@@ -112,10 +112,10 @@ def test_the_build_is_cached_per_source_and_compiler(cache, monkeypatch):
 
 def test_a_failing_compiler_is_reported(cache, monkeypatch):
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(NativeUnavailable, match="^false failed on native.c"):
+    with pytest.raises(NativeUnavailable, match="^false failed on native.c and lane.c"):
         native.load()
     monkeypatch.setenv("CC", "no-such-compiler-duelq")
-    with pytest.raises(NativeUnavailable, match="cannot build native.c with "
+    with pytest.raises(NativeUnavailable, match="cannot build native.c and lane.c with "
                                                 "no-such-compiler-duelq"):
         native.load()
     assert list(cache.iterdir()) == []   # nothing half-built is left
@@ -152,6 +152,7 @@ int cuLaunchKernel(void) { return 0; }
 int cuLaunchCooperativeKernel(void) { return 0; }
 int cuEventRecord(void) { return 0; }
 int cuStreamWaitEvent(void) { return 0; }
+int cuEventSynchronize(void) { return 0; }
 int cuStreamSynchronize(void) {   /* 2 ms, as if the device worked */
     struct timespec t = {0, 2000000};
     nanosleep(&t, 0);
@@ -178,7 +179,8 @@ times = lib.call_times()
 counts = {name: n for name, (_, n) in times.items()}
 assert counts == {"cuMemcpyHtoDAsync": 2, "cuMemcpyDtoHAsync": 2, "cuLaunchKernel": 1,
                   "cuLaunchCooperativeKernel": 2, "cuEventRecord": 2,
-                  "cuStreamWaitEvent": 1, "cuStreamSynchronize": 2}, counts
+                  "cuStreamWaitEvent": 1, "cuStreamSynchronize": 2,
+                  "cuEventSynchronize": 0}, counts
 assert 0.004 <= times["cuStreamSynchronize"][0] < 1.0, times
 assert all(s < 0.004 for name, (s, _) in times.items() if name != "cuStreamSynchronize")
 print("ok")

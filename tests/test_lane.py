@@ -1,0 +1,266 @@
+"""The relay's fast lane (server/lane.py, server/lane.c): a relay with the lane must answer
+every request exactly as the Python relay does (bytes, refusals, replays, state, replay
+records), whatever mix of frames comes, while taking the common requests itself.  On CPU
+the lane steps through its Python engine over the reference backend; the CUDA engine is
+tested against the Python relay on the GPU (tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from duelq.client.client import encode_batch_wire
+from duelq.server import native
+from duelq.server.batch import Batch
+from duelq.server.idempotency import ReplayGuard
+from duelq.server.lane import Lane, LaneOutcome
+from duelq.server.learner import Learner, StepResult
+from duelq.server.native import LaneEngine
+from duelq.server.packing import Packer
+from duelq.server.relay import RelayFront, RelayLearner, SlotPool
+from duelq.server.service import (LearnerService, Limits, encoded_train_response, refusal)
+from duelq.v1 import learner_pb2 as pb
+
+from conftest import SMALL, random_batch
+
+LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=64, max_streams=8)
+
+
+def _service(state=None) -> LearnerService:
+    service = LearnerService(LIMITS, replay=ReplayGuard(capacity=64, window=64))
+    service.attach(Learner(SMALL, backend="reference", state=state,
+                           max_batch_size=LIMITS.max_batch_size))
+    return service
+
+
+class Relay:
+    """A started RelayLearner over ``service`` (with a lane of engine ``lane``, or none) and
+    the RelayFronts of ``fronts`` front processes, over socket pairs and slot pools (8 of
+    ``slot_bytes`` each, page-locked where the backend does so)."""
+
+    def __init__(self, service: LearnerService, *, lane: str | None, fronts: int = 2,
+                 slot_bytes: int = 1 << 14):
+        self.lane = Lane(service, engine=lane) if lane else None
+        self.relayed: list[int] = []
+        pools = [SlotPool(8, slot_bytes) for _ in range(fronts)]
+        self._backend, self._pools = service.learner.backend, pools
+        for pool in pools:
+            self._backend.register_host(pool.bytes)
+        ends = [socket.socketpair() for _ in range(fronts)]
+
+        def apply(job, call):
+            return service.apply_train(job, call, encoded=True).SerializeToString()
+
+        self.learner = RelayLearner(
+            ends[0][0], pools[0], service.relay_prepare, apply,
+            lambda exc, unary: refusal(exc, "TrainStream", "test"),
+            open_stream=service.open_stream, close_stream=service.close_stream,
+            prepare_packed=service.relay_prepare_packed, relayed=self.relayed.append,
+            lane=self.lane)
+        self.learner.start()
+        for (mine, _), pool in zip(ends[1:], pools[1:]):
+            self.learner.attach(mine, pool)
+        self.fronts = [RelayFront(theirs, pool, Packer().pack)
+                       for (_, theirs), pool in zip(ends, pools)]
+
+    def run(self, front: int, requests: list[bytes], *, unary: bool = False,
+            deadline: float | None = None) -> list[tuple[grpc.StatusCode, bytes]]:
+        """One stream of ``requests`` on ``front``, all sent before the answers are read."""
+        stream = self.fronts[front].open(unary=unary, deadline=deadline)
+        for data in requests:
+            assert stream.submit(data)
+        stream.done_sending()
+        answers: list = []
+        reader = threading.Thread(target=lambda: answers.extend(stream.replies()), daemon=True)
+        reader.start()
+        reader.join(30)   # without its answers, the test fails instead of hanging
+        stream.close()
+        return answers
+
+    def close(self) -> None:
+        for front in self.fronts:
+            front.close()
+        self.learner.close()
+        assert not self.learner.thread.is_alive(), "the relay did not end"
+        if self.lane is not None:
+            self.lane.close()
+        if hasattr(self._backend, "unregister_host"):   # cuda's page-locked pools
+            for pool in self._pools:
+                self._backend.unregister_host(pool.bytes)
+
+
+def _request(rng, rows: int = 8, actor: str = "", seq: int = 0, wire: str = "float32",
+             batch: Batch | None = None) -> bytes:
+    return encode_batch_wire(batch if batch is not None else random_batch(rng, rows),
+                             feature_dtype=wire, actor_id=actor, seq=seq)
+
+
+def _nan(rng) -> Batch:
+    batch = random_batch(rng, 8)
+    batch.rewards[2] = np.nan
+    return batch
+
+
+def _script(rng) -> list[tuple[int, list[bytes], dict]]:
+    """(front, requests, open's arguments) of each stream, run one after the other: the
+    common requests, and among them every kind the lane hands back."""
+    keyed = [_request(rng, actor="a", seq=s) for s in range(1, 6)]
+    return [
+        (0, keyed[:3], {}),                                    # a new actor, then known
+        (1, [_request(rng), _request(rng, rows=12), _request(rng)], {}),   # no key; a shape
+        (0, [keyed[3], keyed[1], keyed[4]], {}),               # a repeat among new keys
+        (1, [_request(rng, actor="b", seq=1)], {"unary": True}),
+        (0, [_request(rng, actor="c", seq=s, wire="bfloat16") for s in (1, 2)], {}),
+        (1, [_request(rng, actor="d", seq=1), _request(rng, batch=_nan(rng), actor="d", seq=2),
+             _request(rng, actor="d", seq=3)], {}),           # refused, then not applied
+        (0, [_request(rng, actor="a", seq=9),
+             _request(rng, rows=LIMITS.max_batch_size + 1), _request(rng, actor="a", seq=10)],
+         {}),                                                  # B over the limit
+        (1, [_request(rng, actor="e", seq=1)], {"deadline": time.monotonic() - 1}),
+        (0, [_request(rng, actor="a", seq=s) for s in range(11, 31)], {}),
+    ]
+
+
+def test_a_relay_with_the_lane_answers_as_the_python_relay_does():
+    answers, states, guards, relays = [], [], [], []
+    initial = _service().learner.snapshot()
+    for lane in (False, True):
+        service = _service(initial)
+        relay = Relay(service, lane="python" if lane else None)
+        rng = np.random.default_rng(11)
+        try:
+            answers.append([relay.run(front, requests, **opened)
+                            for front, requests, opened in _script(rng)])
+        finally:
+            relay.close()
+        states.append(service.learner.snapshot())
+        guards.append(service.snapshot()[1]["replay"])
+        relays.append(relay)
+    plain, laned = answers
+    for got, want in zip(laned, plain):
+        assert [code for code, _ in got] == [code for code, _ in want]
+        for (code, payload), (_, expected) in zip(got, want):
+            if code == grpc.StatusCode.OK:   # the same bytes, replays included
+                assert payload == expected
+            else:   # refusals name a reference only for INTERNAL, which none is
+                assert payload == expected, payload
+    codes = [code for stream in plain for code, _ in stream]
+    assert codes.count(grpc.StatusCode.OK) == 34   # 33 steps and a replay
+    assert {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.DEADLINE_EXCEEDED} <= set(codes)
+    assert pb.TrainResponse.FromString(plain[2][1][1]).replayed
+    np.testing.assert_array_equal(states[0].params.w_v, states[1].params.w_v)
+    np.testing.assert_array_equal(states[0].isv, states[1].isv)
+    assert states[0].step == states[1].step == 33
+    assert guards[0] == guards[1]
+    lane = relays[1].lane
+    assert lane.answers >= 1 and lane.handovers >= 8, (lane.answers, lane.handovers)
+    assert len(relays[1].relayed) == len(relays[0].relayed) == sum(map(len, plain))
+
+
+def _eventually(check, timeout: float = 5.0) -> None:
+    """Wait for ``check()`` (the lane counts its answers when its pump returns)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "never came true"
+        time.sleep(0.002)
+
+
+def test_the_lane_takes_the_steady_state_and_hands_back_the_rest():
+    """After a stream's OPEN and its actor's first key (handed back), the lane answers
+    every request of a known actor; a key it cannot judge (a repeat) and a frame of another
+    kind (a small rpc) go back to the relay, and the lane takes over again after them."""
+    service = _service()
+    relay = Relay(service, lane="python", fronts=1)
+    rng = np.random.default_rng(13)
+    lane = relay.lane
+    try:
+        stream = relay.fronts[0].open(unary=False, deadline=None)
+        replies = stream.replies()
+
+        def one(seq: int) -> tuple[grpc.StatusCode, bytes]:
+            assert stream.submit(_request(rng, actor="s", seq=seq))
+            return next(replies)
+        assert one(1)[0] == grpc.StatusCode.OK
+        before = lane.answers, lane.handovers
+        assert all(one(seq)[0] == grpc.StatusCode.OK for seq in range(2, 12))
+        _eventually(lambda: (lane.answers, lane.handovers) == (before[0] + 10, before[1]))
+        code, payload = one(5)   # a repeat: replayed by the relay
+        assert code == grpc.StatusCode.OK and pb.TrainResponse.FromString(payload).replayed
+        _eventually(lambda: lane.handovers == before[1] + 1)
+        assert relay.fronts[0].call(0, b"", None)[0] != grpc.StatusCode.OK   # no small rpcs
+        _eventually(lambda: lane.handovers == before[1] + 2)
+        assert all(one(seq)[0] == grpc.StatusCode.OK for seq in range(12, 17))
+        _eventually(lambda: lane.answers == before[0] + 15)
+        assert service.learner.step_count == 16
+        stream.done_sending()
+        assert list(replies) == []
+        stream.close()
+    finally:
+        relay.close()
+
+
+def test_an_end_in_the_lane_cancels_the_requests_not_started():
+    """A stream closed by its front while its requests wait: those not yet started are
+    answered CANCELLED (or not at all), none applied after the END is read."""
+    service = _service()
+    relay = Relay(service, lane="python", fronts=1)
+    rng = np.random.default_rng(12)
+    try:
+        relay.run(0, [_request(rng, actor="z", seq=1)])   # the lane knows z now
+        stream = relay.fronts[0].open(unary=False, deadline=None)
+        for seq in range(2, 8):
+            stream.submit(_request(rng, actor="z", seq=seq))
+        stream.close()   # END while they wait: the rest only give their slots back
+        deadline = time.monotonic() + 10
+        while service.learner.step_count < 1 or relay.learner._streams:
+            assert time.monotonic() < deadline, "the stream was never finished"
+            time.sleep(0.01)
+        steps = service.learner.step_count
+        assert 1 <= steps <= 7
+        assert service.snapshot()[1]["replay"]   # recorded, as far as applied
+        assert relay.run(0, [_request(rng, actor="z", seq=20)])[0][0] == grpc.StatusCode.OK
+        assert service.learner.step_count == steps + 1
+    finally:
+        relay.close()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 128, 1024])
+def test_the_lanes_answer_bytes_are_the_services(rows):
+    """lane.c's encoder gives encoded_train_response's bytes: zeros left out, -0.0, large
+    steps, entropy present at 0 or absent, keys of every size."""
+    lib = native.load(cuda=False).lane
+    rng = np.random.default_rng(rows)
+    cases = [(0.0, -0.0, 0.0, 0, None, b""), (1.5, 2.0, 3.0, 1, 0.0, b"\x0a\x01a\x10\x01"),
+             (-1e300, float("inf"), 7.0, 2**63 + 5, 1.25, b"\x0a\x80\x01" + b"x" * 128),
+             (float(rng.normal()), float(rng.normal()), 1e-9, 300, -0.0, b"\x10\x07")]
+    for loss, q, norm, step, entropy, key in cases:
+        td, priorities = (rng.normal(size=rows).astype(np.float32) for _ in range(2))
+        outcome = LaneOutcome(loss=loss, q_mean=q, grad_norm=norm,
+                              entropy=0.0 if entropy is None else entropy,
+                              has_entropy=entropy is not None, finite=1, valid=1,
+                              td=td.ctypes.data, priorities=priorities.ctypes.data)
+        out = ctypes.create_string_buffer(lib.encoded_max(rows, len(key)))
+        n = lib.encode(out, ctypes.byref(outcome), rows, step, key, len(key))
+        result = StepResult(loss=loss, td_errors=td, priorities=priorities, q_taken_mean=q,
+                            grad_norm=norm, step=step, version=step, entropy=entropy)
+        assert out.raw[:n] == encoded_train_response(result, key).data
+
+
+def test_the_mirrored_structs_match_lane_c():
+    """The ctypes mirrors and struct formats agree with lane.c's structs."""
+    from duelq.server.lane import HANDED, RECORD, LaneBatch, _Engine
+    from duelq.server.native import StepArgs
+    got = (ctypes.c_size_t * 12)()
+    native.load(cuda=False).lane.layouts(got)
+    assert list(got) == [
+        ctypes.sizeof(StepArgs), StepArgs.epoch.offset, StepArgs.kappa.offset,
+        ctypes.sizeof(LaneEngine), LaneEngine.shape_rows.offset, LaneEngine.lr.offset,
+        LaneEngine.synced_s.offset, RECORD.size, HANDED.size, ctypes.sizeof(LaneBatch),
+        ctypes.sizeof(LaneOutcome), ctypes.sizeof(_Engine)]
