@@ -112,9 +112,10 @@ static int reserve(struct buffer *b, size_t more) {
     return 0;
 }
 
+/* Append ``n`` bytes (reserved beforehand where a failure must not leave half a record). */
 static int append(struct buffer *b, const void *src, size_t n) {
     if (reserve(b, n)) return -1;
-    memcpy(b->data + b->len, src, n);
+    if (n) memcpy(b->data + b->len, src, n);
     b->len += n;
     return 0;
 }
@@ -163,6 +164,7 @@ struct duelq_lane {
     unsigned free_uploads;     /* bit i: upload slot i free */
     int handover, draining, woken;
     int closed;                /* a front whose connection closed (−1: none) */
+    int stopped_at;            /* the front whose next frame made the handover (−1: none) */
     struct buffer log;         /* ANSWER and ENDED records, for Python */
     struct buffer handed;      /* the requests given back, for Python */
     size_t log_limit;          /* past this many bytes of log: drain and return */
@@ -411,13 +413,16 @@ static void parse(struct duelq_lane *L, int fi) {
         if (f->unread.len - f->at < FRAME_BYTES + (inline_ ? (size_t)n : 0)) return;
         if (op == OP_PACKED) {
             if (L->draining) return;
-            if (take_packed(L, fi, p)) { L->handover = 1; return; }
+            if (take_packed(L, fi, p)) { L->handover = 1, L->stopped_at = fi; return; }
         } else if (op == OP_END) {
             struct stream *s = stream_find(L, fi, u32(p + 4));
-            if (s == NULL || log_end(L, fi, u32(p + 4))) { L->handover = 1; return; }
+            if (s == NULL || log_end(L, fi, u32(p + 4))) {
+                L->handover = 1, L->stopped_at = fi;
+                return;
+            }
             s->ended = 1;
         } else {
-            L->handover = 1;
+            L->handover = 1, L->stopped_at = fi;
             return;
         }
         f->at += FRAME_BYTES + (inline_ ? n : 0);
@@ -571,7 +576,9 @@ static void release(struct duelq_lane *L, struct item *it, int stepped) {
 static void answer(struct duelq_lane *L) {
     struct item *it = &L->items[L->head % L->item_cap];
     struct front *f = &L->fronts[it->front];
-    if (it->cancelled) {
+    struct stream *s = stream_find(L, it->front, it->sid);
+    if (it->cancelled || s == NULL || s->ended) {   /* ended before its step: not applied */
+        release(L, it, 0);
         reply(f, it->sid, it->slot, CODE_CANCELLED, CANCELLED_TEXT, sizeof CANCELLED_TEXT - 1);
         ++f->answered;
         L->head = (L->head + 1) % L->item_cap, --L->prepared;
@@ -583,7 +590,11 @@ static void answer(struct duelq_lane *L) {
         return;
     }
     size_t need = duelq_lane_encoded_max(it->batch.rows, it->key_len);
-    if (need > sizeof L->response && reserve(&L->big, need)) { L->handover = 1; return; }
+    if ((need > sizeof L->response && reserve(&L->big, need))
+        || reserve(&L->log, sizeof(struct record) + it->actor_len + need)) {
+        L->handover = 1;   /* out of memory: nothing applied, the relay steps it */
+        return;
+    }
     unsigned char *out = need > sizeof L->response ? L->big.data : L->response;
     struct lane_outcome o = {0};
     int r = L->engine.step(L->engine.ctx, it->upload, source(L, it), &it->batch, &o);
@@ -604,9 +615,9 @@ static void answer(struct duelq_lane *L) {
     rec.front = (uint32_t)it->front, rec.seq = it->seq, rec.step = step, rec.loss = o.loss;
     rec.arrived = it->arrived, rec.answered = now(), rec.rows = it->batch.rows;
     rec.size = rec.keyed ? (uint32_t)n : 0;   /* the response, for the replay guard */
-    if (append(&L->log, &rec, sizeof rec) || append(&L->log, it->actor, it->actor_len)
-        || append(&L->log, out, rec.size))
-        L->draining = 1;   /* out of memory: what is logged so far is settled first */
+    append(&L->log, &rec, sizeof rec);        /* reserved above: these cannot fail */
+    append(&L->log, it->actor, it->actor_len);
+    append(&L->log, out, rec.size);
     L->head = (L->head + 1) % L->item_cap, --L->prepared;
 }
 
@@ -617,17 +628,25 @@ struct handed {                /* a request given back; lane.py's HANDED */
     double deadline, arrived;
 };
 
-/* Give every queued request back (their uploads released) and stop. */
-static void hand_over(struct duelq_lane *L) {
-    for (size_t k = 0; k < L->prepared + L->received; ++k) {
+/* Give every queued request back (their uploads released); −1 (nothing given back: the
+ * relay fails) when out of memory. */
+static int hand_over(struct duelq_lane *L) {
+    size_t queued = L->prepared + L->received, need = 0;
+    for (size_t k = 0; k < queued; ++k)
+        need += sizeof(struct handed) + L->items[(L->head + k) % L->item_cap].size;
+    int r = reserve(&L->handed, need);
+    for (size_t k = 0; k < queued; ++k) {
         struct item *it = &L->items[(L->head + k) % L->item_cap];
         release(L, it, 0);
         struct handed h = {(uint32_t)it->front, it->sid, it->slot, it->size, it->deadline,
                            it->arrived};
-        if (append(&L->handed, &h, sizeof h) || append(&L->handed, it->payload, it->size))
-            return;   /* lane.py sees fewer than it counted and fails the relay */
+        if (r == 0) {
+            append(&L->handed, &h, sizeof h);
+            append(&L->handed, it->payload, it->size);
+        }
     }
     L->head = 0, L->prepared = L->received = 0;
+    return r;
 }
 
 /* Run the relay loop (server/relay.py's RelayLearner._loop) for about ``budget_s``
@@ -639,7 +658,7 @@ static void hand_over(struct duelq_lane *L) {
 int duelq_lane_pump(struct duelq_lane *L, int epfd, int wake_fd, double budget_s) {
     double until = now() + budget_s;
     L->handover = L->draining = L->woken = 0;
-    L->closed = -1;
+    L->closed = L->stopped_at = -1;
     for (int fi = 0; fi < L->front_count && !L->handover; ++fi) parse(L, fi);
     while (!L->handover) {
         if (L->received && L->prepared <= AHEAD) {
@@ -655,11 +674,15 @@ int duelq_lane_pump(struct duelq_lane *L, int epfd, int wake_fd, double budget_s
         if (L->prepared && (L->prepared > AHEAD || !L->received)) answer(L);
         if (now() >= until || L->log.len >= L->log_limit) L->draining = 1;
     }
-    if (L->handover) {
-        hand_over(L);
-        return EXIT_HANDOVER;
-    }
+    if (L->handover) return hand_over(L) ? EXIT_FAILED : EXIT_HANDOVER;
     return L->woken ? EXIT_WOKEN : EXIT_DRAINED;
+}
+
+/* Bytes front ``index``'s socket gave the relay that it did not frame, to frame here first
+ * (the lane holds none of that front's then); 0, or −1 out of memory. */
+int duelq_lane_feed(struct duelq_lane *L, int index, const char *data, size_t n) {
+    if (index < 0 || index >= L->front_count) return -1;
+    return append(&L->fronts[index].unread, data, n);
 }
 
 /* ── what Python reads after a pump, then settles ───────────────────────────────────── */
@@ -685,6 +708,9 @@ const unsigned char *duelq_lane_unread(struct duelq_lane *L, int index, size_t *
 
 /* The front whose connection the last pump saw close (−1: none). */
 int duelq_lane_closed(struct duelq_lane *L) { return L->closed; }
+
+/* The front whose next unframed frame made the last pump hand over (−1: none). */
+int duelq_lane_stopped_at(struct duelq_lane *L) { return L->stopped_at; }
 
 unsigned long long duelq_lane_answered(struct duelq_lane *L, int index) {
     return index >= 0 && index < L->front_count ? L->fronts[index].answered : 0;
@@ -773,7 +799,7 @@ static int cuda_step(void *ctx, int u, const void *src, const struct lane_batch 
     (void)src;
     unsigned i = (unsigned)b->shape, G = c->shape_blocks[i], B = b->rows;
     size_t words = 2 * (size_t)B + 1 + 5 * (size_t)G;
-    if (c->epoch + 2 > 0xFFFFFFFFu || words > c->out_words) return -1;   /* Python's to do */
+    if (c->epoch > 0xFFFFFFFFu - 2 || words > c->out_words) return -1;   /* Python's to do */
     unsigned long long t = c->step + 1;
     struct step_args *a = c->args[c->cur];
     a->in = (void *)(uintptr_t)c->upload_device[u], a->out = (void *)(uintptr_t)c->out_device;

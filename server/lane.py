@@ -149,6 +149,7 @@ class Handover:
     requests: list[tuple[int, int, int, float, float, bytes]] = field(default_factory=list)
     unread: dict[int, bytes] = field(default_factory=dict)      # front → bytes
     closed: int | None = None   # a front whose connection closed, after its unread bytes
+    stopped_at: int | None = None   # the front whose first unread frame is why it handed back
     ran: bool = True            # False: the lane could not run (only ``unread`` is set)
 
 
@@ -199,27 +200,29 @@ class Lane:
         """Stream ``sid`` of ``front`` is the relay's alone (ended, failed, finished)."""
         self._c.stream(self._lane, front, sid, 0)
 
-    def pump(self, fronts: list[tuple[int, int, object]], poll_fd: int,
-             wake_fd: int) -> Handover:
+    def pump(self, fronts: list[tuple[int, int, object]], unread: dict[int, bytes],
+             poll_fd: int, wake_fd: int) -> Handover:
         """Run the lane for up to :attr:`budget_s` over ``fronts`` ((index, socket fd, slot
-        pool) of each front the relay reads), waiting on the relay's epoll ``poll_fd`` and
+        pool) of each front the relay reads), framing first the bytes the relay read and
+        did not frame (``unread``, by front), waiting on the relay's epoll ``poll_fd`` and
         its wake socket.  When it cannot run (no learner yet, draining, an upload slot in
-        use), it gives back the bytes it kept, and says it did not run."""
+        use), it gives back those bytes and the ones it kept, and says it did not run."""
         with self._service.lane_turn() as turn:
             if turn is None:
-                return self._idle(fronts)
+                return self._idle(fronts, unread)
             learner, guard, checkpoints = turn
             backend = learner.backend
             self._ready(learner, guard)
             cuda = self._engine_kind == "cuda"
             if cuda and not backend.lane_enter(self._engine):
-                return self._idle(fronts)
+                return self._idle(fronts, unread)
             try:
                 self._set_fronts(fronts)
+                for index, data in unread.items():
+                    if self._c.feed(self._lane, index, data, len(data)):
+                        raise MemoryError("the relay's fast lane could not take a front's bytes")
                 if cuda and self._miss is not None:
-                    rows, hidden, kind, _ = self._miss
-                    if hidden == learner.config.hidden_dim and rows <= learner.max_batch_size:
-                        backend.lane_shape(self._engine, rows, kind)
+                    self._take_shape(learner, *self._miss[:3])
                 self._miss = None
                 why = self._c.pump(self._lane, poll_fd, wake_fd, self.budget_s)
             finally:
@@ -230,12 +233,26 @@ class Lane:
             finally:
                 self._c.settle(self._lane, why == EXIT_HANDOVER)
 
-    def _idle(self, fronts) -> Handover:
-        """The lane did not run: the bytes it kept from its last pump go to the relay."""
+    def _idle(self, fronts, unread: dict[int, bytes]) -> Handover:
+        """The lane did not run: the bytes it kept from its last pump, then ``unread``, go
+        back to the relay."""
         out = Handover(ran=False)
         self._take_unread(fronts, out)
         self._c.settle(self._lane, 1)
+        for index, data in unread.items():
+            out.unread[index] = out.unread.get(index, b"") + data
         return out
+
+    def _take_shape(self, learner, rows: int, hidden: int, kind: int) -> None:
+        """Let the engine take batches of a shape it handed back, if the learner takes them
+        (growing the backend's buffers for it: a failure there leaves the shape to the
+        relay)."""
+        if hidden != learner.config.hidden_dim or rows > learner.max_batch_size:
+            return
+        try:
+            learner.backend.lane_shape(self._engine, rows, kind)
+        except Exception:  # noqa: BLE001 — e.g. out of device memory: the relay steps those
+            log.exception("the relay's fast lane cannot take batches of %d rows", rows)
 
     def _take_unread(self, fronts, out: Handover) -> None:
         for index, _, _ in fronts:
@@ -314,8 +331,9 @@ class Lane:
         self._miss = tuple(miss) if self._c.miss(self._lane, miss) else None
         if why == EXIT_HANDOVER:
             self.handovers += 1
-            closed = self._c.closed(self._lane)
+            closed, stopped = self._c.closed(self._lane), self._c.stopped_at(self._lane)
             out.closed = closed if closed >= 0 else None
+            out.stopped_at = stopped if stopped >= 0 else None
             address = self._c.handed(self._lane, ctypes.byref(self._size))
             handed = ctypes.string_at(address, self._size.value) if self._size.value else b""
             at = 0

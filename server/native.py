@@ -226,6 +226,8 @@ def _lane_functions(keeps_gil: ctypes.PyDLL, releases_gil: ctypes.CDLL) -> Simpl
         "log": (vp, (vp, size_p)), "handed": (vp, (vp, size_p)),
         "unread": (vp, (vp, ctypes.c_int, size_p)),
         "answered": (ctypes.c_ulonglong, (vp, ctypes.c_int)), "closed": (ctypes.c_int, (vp,)),
+        "stopped_at": (ctypes.c_int, (vp,)),
+        "feed": (ctypes.c_int, (vp, ctypes.c_int, ctypes.c_char_p, size)),
         "miss": (ctypes.c_int, (vp, ctypes.c_uint * 4)), "settle": (None, (vp, ctypes.c_int)),
         "encode": (size, (vp, vp, ctypes.c_uint, ctypes.c_uint64, ctypes.c_char_p, size)),
         "encoded_max": (size, (ctypes.c_uint, size)), "layouts": (None, (size * 12,)),

@@ -522,6 +522,7 @@ class RelayLearner:
         self._call = call or _no_calls
         self._open_stream, self._close_stream = open_stream, close_stream
         self._lane = lane
+        self._lane_ran = False   # the lane ran at its last call: requests are left to it
         # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._received: deque[_Item] = deque()   # not yet prepared
@@ -584,42 +585,41 @@ class RelayLearner:
         is answered first).  So a request is stepped only after the frames sent during its
         preparation are read (an END stops it), and the next one's copy to the device is
         under way during its step.  With a lane, a pass that finds nothing queued lets the
-        lane run instead, and the requests it hands back are stepped without reading more
-        frames (an END then stops the requests after them)."""
+        lane run instead; while it runs (it handed back), the looks here take every frame
+        but the requests, which wait for the lane."""
         prepared, received = self._prepared, self._received
         while True:
             if self._joining:
                 self._join()
             if self._calls:   # between steps: a small rpc waits for no queue
                 self._answer_calls()
-            if (self._lane is not None and not (prepared or received or self._closing
-                                                or self._joining) and self._pump()):
+            if (self._lane is not None and not (prepared or received or self._closing)
+                    and self._pump()):
                 continue
             if received and len(prepared) <= AHEAD:
                 prepared.append(self._prepare_next())
             elif not prepared and self._closing:
                 return
             # With a request to step, only look (frames are likely there), else wait for a
-            # frame or a wake.  With a lane, the requests it gave back are stepped without
-            # reading more: it reads them once they are done, rather than this loop for as
-            # long as they keep coming.
-            if not (prepared and self._lane is not None):
-                self._look(0 if prepared else None)
+            # frame or a wake.
+            self._look(0 if prepared else None)
             if self._calls:   # read just now: answered before the next step
                 continue
             if prepared and (len(prepared) > AHEAD or not received):
                 self._answer(prepared.popleft())
 
     def _pump(self) -> bool:
-        """Let the lane run and take what it leaves: its answers counted, then the requests
-        it gave back, the streams it ENDed, the bytes it did not frame and a front's close,
-        in that order.  False when it did not run (or a front has bytes not yet framed
-        here)."""
+        """Let the lane run (with the bytes read here and not framed) and take what it
+        leaves: its answers counted, then the requests it gave back, the streams it ENDed,
+        the bytes it did not frame and a front's close, in that order.  False when it did
+        not run."""
         fronts = [f for f in self._polled.values() if f is not None]
-        if any(front.unread for front in fronts):
-            return False
-        got = self._lane.pump([(f.index, f.fd, f.slots) for f in fronts], self._poll.fileno(),
-                              self._wake_in.fileno())
+        unread = {f.index: bytes(f.unread) for f in fronts if f.unread}
+        for front in fronts:
+            front.unread.clear()
+        got = self._lane.pump([(f.index, f.fd, f.slots) for f in fronts], unread,
+                              self._poll.fileno(), self._wake_in.fileno())
+        self._lane_ran = got.ran
         for index, n in got.answered.items():
             for _ in range(n):
                 self._relayed(index)
@@ -632,7 +632,7 @@ class RelayLearner:
         for index, data in got.unread.items():
             front = self._fronts[index]
             front.unread += data
-            if not self._parse(front):
+            if not self._parse(front, take_first=index == got.stopped_at):
                 self._close_front(front)
         if got.closed is not None:
             front = self._fronts[got.closed]
@@ -714,13 +714,18 @@ class RelayLearner:
                 unread += chunk
         return self._parse(front)
 
-    def _parse(self, front: _Front) -> bool:
+    def _parse(self, front: _Front, *, take_first: bool = False) -> bool:
         """Act on the complete frames in ``front``'s unread bytes; False when one names no
-        slot of the front's (its connection is then shut)."""
+        slot of the front's (its connection is then shut).  While a lane runs, stop at a
+        request (left for the lane), unless ``take_first`` and it is the first frame (the
+        one the lane handed back for)."""
         unread = front.unread
         at, size = 0, _FRAME.size
+        leave_requests = self._lane_ran
         while len(unread) - at >= size:
             op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
+            if leave_requests and (op == REQ or op == PACKED) and not (take_first and at == 0):
+                break
             # its bytes follow the frame
             inline = op in (PACKED, REFUSED, CALL) or (op == REQ and slot < 0)
             end = at + size + (n if inline else 0)

@@ -395,13 +395,15 @@ class LearnerService(pb_grpc.LearnerServicer):
         held throughout, as for one step; None (no lock taken) while no learner is attached
         or the service drains."""
         learner = self._learner
-        with self._queue_lock:
-            ready = learner is not None and not self._draining
-        if not ready:
-            yield None
-            return
-        with self._apply_lock, learner.lock:
-            yield learner, self._replay, self.checkpoints
+        if learner is not None:
+            with self._apply_lock:
+                with self._queue_lock:   # after the lock: drain() may have returned meanwhile
+                    ready = not self._draining
+                if ready:
+                    with learner.lock:
+                        yield learner, self._replay, self.checkpoints
+                    return
+        yield None
 
     def _check_train_key(self, key: pb.RequestKey) -> None:
         """Refuse a train request's malformed key, or any while draining: early, before the

@@ -7,6 +7,7 @@ tested against the Python relay on the GPU (tests/test_cuda.py)."""
 from __future__ import annotations
 
 import ctypes
+import random
 import socket
 import threading
 import time
@@ -19,17 +20,19 @@ from duelq.client.client import encode_batch_wire
 from duelq.server import native
 from duelq.server.batch import Batch
 from duelq.server.idempotency import ReplayGuard
+from duelq.server import lane as lane_module
 from duelq.server.lane import Lane, LaneOutcome
 from duelq.server.learner import Learner, StepResult
 from duelq.server.native import LaneEngine
 from duelq.server.packing import Packer
-from duelq.server.relay import RelayFront, RelayLearner, SlotPool
-from duelq.server.service import (LearnerService, Limits, encoded_train_response, refusal)
+from duelq.server.relay import _FRAME, END, RelayFront, RelayLearner, SlotPool
+from duelq.server.service import (REPLAY_KINDS, LearnerService, Limits, encoded_train_response,
+                                  refusal)
 from duelq.v1 import learner_pb2 as pb
 
 from conftest import SMALL, random_batch
 
-LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=64, max_streams=8)
+LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=64, max_streams=16)
 
 
 def _service(state=None) -> LearnerService:
@@ -68,6 +71,15 @@ class Relay:
             self.learner.attach(mine, pool)
         self.fronts = [RelayFront(theirs, pool, Packer().pack)
                        for (_, theirs), pool in zip(ends, pools)]
+
+    def attach(self) -> None:
+        """One more front, attached while the relay runs."""
+        mine, theirs = socket.socketpair()
+        pool = SlotPool(8, self._pools[0].size)
+        self._backend.register_host(pool.bytes)
+        self._pools.append(pool)
+        self.learner.attach(mine, pool)
+        self.fronts.append(RelayFront(theirs, pool, Packer().pack))
 
     def run(self, front: int, requests: list[bytes], *, unary: bool = False,
             deadline: float | None = None) -> list[tuple[grpc.StatusCode, bytes]]:
@@ -206,27 +218,141 @@ def test_the_lane_takes_the_steady_state_and_hands_back_the_rest():
         relay.close()
 
 
-def test_an_end_in_the_lane_cancels_the_requests_not_started():
-    """A stream closed by its front while its requests wait: those not yet started are
-    answered CANCELLED (or not at all), none applied after the END is read."""
+def test_a_stream_closed_with_requests_queued_gives_every_slot_back():
+    """A stream closed by its front while its requests wait: each is answered once (its
+    slot comes back) whether stepped or not, the stream is finished, and those applied are
+    recorded under their keys."""
     service = _service()
     relay = Relay(service, lane="python", fronts=1)
     rng = np.random.default_rng(12)
+    front = relay.fronts[0]
     try:
         relay.run(0, [_request(rng, actor="z", seq=1)])   # the lane knows z now
-        stream = relay.fronts[0].open(unary=False, deadline=None)
+        stream = front.open(unary=False, deadline=None)
         for seq in range(2, 8):
             stream.submit(_request(rng, actor="z", seq=seq))
         stream.close()   # END while they wait: the rest only give their slots back
-        deadline = time.monotonic() + 10
-        while service.learner.step_count < 1 or relay.learner._streams:
-            assert time.monotonic() < deadline, "the stream was never finished"
-            time.sleep(0.01)
+        _eventually(lambda: front._free.qsize() == 8 and not relay.learner._streams)
         steps = service.learner.step_count
-        assert 1 <= steps <= 7
-        assert service.snapshot()[1]["replay"]   # recorded, as far as applied
+        assert 1 <= steps <= 7 and service.learner.backend.step == steps
+        guard = ReplayGuard.from_bytes(service.snapshot()[1]["replay"], REPLAY_KINDS)
+        assert guard.high("z") == steps
         assert relay.run(0, [_request(rng, actor="z", seq=20)])[0][0] == grpc.StatusCode.OK
         assert service.learner.step_count == steps + 1
+    finally:
+        relay.close()
+
+
+def test_an_end_read_after_a_requests_copy_stops_its_step(monkeypatch):
+    """An END that the lane reads between a request's copy and its step: the request is
+    answered CANCELLED and not applied, as the relay's own loop does."""
+    end: dict = {}
+
+    class EndingEngine(lane_module._PythonEngine):   # the copy sends the stream's END
+        def __init__(self, learner):
+            super().__init__(learner)
+            self._ending_copy = lane_module._COPY(self._copy)
+            self.struct.copy = self._ending_copy
+
+        def _copy(self, ctx, upload, src, nbytes) -> int:
+            send = end.pop("send", None)
+            if send is not None:
+                send()
+            return 0
+    monkeypatch.setattr(lane_module, "_PythonEngine", EndingEngine)
+    service = _service()
+    relay = Relay(service, lane="python", fronts=1)
+    rng = np.random.default_rng(14)
+    front = relay.fronts[0]
+    try:
+        stream = front.open(unary=False, deadline=None)
+        replies = stream.replies()
+        assert stream.submit(_request(rng)) and next(replies)[0] == grpc.StatusCode.OK
+        end["send"] = lambda: front._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
+        assert stream.submit(_request(rng))
+        assert next(replies) == (grpc.StatusCode.CANCELLED, b"the call ended before this "
+                                 b"request started; it was not applied")
+        assert not end and service.learner.step_count == 1   # the lane copied it: no step
+        stream.close()
+    finally:
+        relay.close()
+
+
+def test_the_lane_applies_nothing_once_the_service_drains():
+    """A lane's turn that starts as drain() runs: whichever takes the apply lock first,
+    the turn finds the service draining and applies nothing (drain() then returns with
+    nothing left to apply)."""
+    service = _service()
+    turns: list = []
+    service._apply_lock.acquire()   # the turn and drain() both wait for it
+    try:
+        def take_turn() -> None:
+            with service.lane_turn() as got:
+                turns.append(got)
+        turn = threading.Thread(target=take_turn)
+        turn.start()
+        time.sleep(0.05)   # past its check for a learner, waiting for the lock
+        drain = threading.Thread(target=service.drain)
+        drain.start()
+        _eventually(lambda: service._draining)
+    finally:
+        service._apply_lock.release()
+    turn.join(5)
+    drain.join(5)
+    assert turns == [None] and not drain.is_alive()
+    with service.lane_turn() as later:
+        assert later is None
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_concurrent_streams_through_the_lane_are_answered_once_in_order(seed):
+    """Randomised: 3 fronts × 4 keyed streams at once (the third front attaches while the
+    others stream), some ending midway.  A stream that finishes gets every answer, in order
+    (its keys echoed in turn); one that ends midway has a prefix applied; nothing is
+    applied twice (the steps are the keys applied) and every slot comes back."""
+    service = _service()
+    relay = Relay(service, lane="python", fronts=2)
+    plan = random.Random(seed)
+    rng = np.random.default_rng(seed)
+    bodies = [random_batch(rng, 8) for _ in range(4)]
+    streams = [(f, s, plan.choice([None, plan.randrange(1, 30)]))   # None: all 30 sent
+               for f in range(3) for s in range(4)]
+    answers: dict = {}
+
+    def run(f: int, s: int, end_after: int | None) -> None:
+        stream = relay.fronts[f].open(unary=False, deadline=None)
+        for i in range(30 if end_after is None else end_after):
+            assert stream.submit(_request(rng, batch=bodies[i % 4], actor=f"f{f}s{s}",
+                                          seq=i + 1))
+        if end_after is None:
+            stream.done_sending()
+            answers[f, s] = list(stream.replies())
+        stream.close()
+    threads = [threading.Thread(target=run, args=args) for args in streams]
+    try:
+        for thread in threads[:8]:
+            thread.start()
+        relay.attach()
+        for thread in threads[8:]:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads)
+        _eventually(lambda: all(front._free.qsize() == 8 for front in relay.fronts)
+                    and not relay.learner._streams)
+        guard = ReplayGuard.from_bytes(service.snapshot()[1]["replay"], REPLAY_KINDS)
+        for f, s, end_after in streams:
+            applied = guard.high(f"f{f}s{s}")
+            if end_after is None:
+                assert applied == 30
+                assert [code for code, _ in answers[f, s]] == [grpc.StatusCode.OK] * 30
+                assert [pb.TrainResponse.FromString(p).key.seq
+                        for _, p in answers[f, s]] == list(range(1, 31))
+            else:
+                assert applied <= end_after
+        assert service.learner.step_count == sum(guard.high(f"f{f}s{s}")
+                                                 for f, s, _ in streams)
+        assert relay.lane.answers > service.learner.step_count // 2, relay.lane.answers
     finally:
         relay.close()
 
