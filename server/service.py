@@ -304,6 +304,10 @@ class _Release:
         self._service._apply_lock.release()
 
 
+#: How often a lane's turn looks whether the threads waiting for the apply lock have had it.
+WAIT_TURN_S = 1e-4
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the server enforces besides the learner's own checks."""
@@ -326,8 +330,9 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._plans = Plans()   # per wire layout, for the attached learner (its .learner)
         self._apply_lock = threading.Lock()
         self._release = _Release(self)   # what _admit returns
-        self._queue_lock = threading.Lock()  # guards _waiting and _draining
+        self._queue_lock = threading.Lock()  # guards _waiting, _wanting and _draining
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
+        self._wanting = 0                    # threads waiting for _apply_lock (lane_turn)
         self._draining = False
         self._streams = threading.BoundedSemaphore(limits.max_streams)
 
@@ -341,8 +346,11 @@ class LearnerService(pb_grpc.LearnerServicer):
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
         """A consistent (state, {"replay": idempotency records}) pair for a checkpoint."""
         learner = self.learner
-        with self._apply_lock:
+        self._take_apply_lock()
+        try:
             state, replay = learner.snapshot(), self._replay.copy()
+        finally:
+            self._apply_lock.release()
         return state, {"replay": replay.to_bytes()}
 
     def drain(self) -> None:
@@ -350,10 +358,25 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self._queue_lock:
             self._draining = True
         while True:
-            with self._apply_lock, self._queue_lock:
-                if self._waiting == 0:
-                    return
+            self._take_apply_lock()
+            try:
+                with self._queue_lock:
+                    if self._waiting == 0:
+                        return
+            finally:
+                self._apply_lock.release()
             time.sleep(0.001)
+
+    def _take_apply_lock(self, timeout: float | None = None) -> bool:
+        """Acquire the apply lock (``timeout``: None, no limit), counted in ``_wanting`` while
+        waiting, so that the relay's fast lane lets this thread have the next turn."""
+        with self._queue_lock:
+            self._wanting += 1
+        try:
+            return self._apply_lock.acquire(timeout=-1 if timeout is None else timeout)
+        finally:
+            with self._queue_lock:
+                self._wanting -= 1
 
     def _admit(self, context: grpc.ServicerContext | None, *, changes: bool) -> "_Release":
         """Take the apply lock for one request (bounded queue, deadline, drain); returns
@@ -367,10 +390,8 @@ class LearnerService(pb_grpc.LearnerServicer):
             self._waiting += 1
         try:
             left = context.time_remaining() if context is not None else None
-            if left is None or left > 1e6:  # no deadline: grpc reports one far in the future
-                got = self._apply_lock.acquire()
-            else:
-                got = self._apply_lock.acquire(timeout=max(left, 0.0))
+            # No deadline: grpc reports one far in the future.
+            got = self._take_apply_lock(None if left is None or left > 1e6 else max(left, 0.0))
         finally:
             with self._queue_lock:
                 self._waiting -= 1
@@ -392,8 +413,15 @@ class LearnerService(pb_grpc.LearnerServicer):
                                     | None]:
         """For server/lane.py, which applies a stretch of steps as one: (the learner, the
         replay guard, the checkpoint writer) with the apply lock and the learner's lock
-        held throughout, as for one step; None (no lock taken) while no learner is attached
-        or the service drains."""
+        held throughout, as for one step; None (no lock kept) while no learner is attached
+        or the service drains.  Threads already waiting for the apply lock (a checkpoint's
+        snapshot) have it first: a lane that took it back at once could keep it from them
+        for many turns."""
+        while True:
+            with self._queue_lock:
+                if not self._wanting:
+                    break
+            time.sleep(WAIT_TURN_S)
         learner = self._learner
         if learner is not None:
             with self._apply_lock:

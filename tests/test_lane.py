@@ -304,6 +304,31 @@ def test_the_lane_applies_nothing_once_the_service_drains():
         assert later is None
 
 
+def test_a_thread_waiting_for_the_apply_lock_has_it_before_the_lanes_next_turn():
+    """A lane's turn waits while another thread waits for the apply lock (a checkpoint's
+    snapshot), so the lock goes to that thread first."""
+    service = _service()
+    order: list[str] = []
+    service._apply_lock.acquire()   # held, as by a lane's turn
+    try:
+        snapshot = threading.Thread(target=lambda: (service.snapshot(),
+                                                    order.append("snapshot")))
+        snapshot.start()
+        _eventually(lambda: service._wanting == 1)
+
+        def take_turn() -> None:
+            with service.lane_turn() as turn:
+                order.append("turn" if turn is not None else "none")
+        turn = threading.Thread(target=take_turn)
+        turn.start()
+        time.sleep(0.05)   # it waits for the snapshot's turn, not for the lock
+    finally:
+        service._apply_lock.release()
+    snapshot.join(5)
+    turn.join(5)
+    assert order == ["snapshot", "turn"]
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_concurrent_streams_through_the_lane_are_answered_once_in_order(seed):
     """Randomised: 3 fronts × 4 keyed streams at once (the third front attaches while the
