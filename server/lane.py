@@ -150,7 +150,7 @@ class Handover:
     unread: dict[int, bytes] = field(default_factory=dict)      # front → bytes
     closed: int | None = None   # a front whose connection closed, after its unread bytes
     stopped_at: int | None = None   # the front whose first unread frame is why it handed back
-    ran: bool = True            # False: the lane could not run (only ``unread`` is set)
+    ran: bool = True   # False: it could not run, or handed back with no cause to show
 
 
 def cuda_engine(backend) -> bool:
@@ -192,9 +192,10 @@ class Lane:
             self._c.free(self._lane)
             self._lane = None
 
-    def open(self, front: int, sid: int) -> None:
-        """Stream ``sid`` of ``front`` is open and may go by the lane."""
-        self._c.stream(self._lane, front, sid, 1)
+    def open(self, front: int, sid: int) -> bool:
+        """Stream ``sid`` of ``front`` is open and may go by the lane; False when its table
+        is full (the stream's requests then go by the relay)."""
+        return self._c.stream(self._lane, front, sid, 1) == 0
 
     def forget(self, front: int, sid: int) -> None:
         """Stream ``sid`` of ``front`` is the relay's alone (ended, failed, finished)."""
@@ -344,4 +345,7 @@ class Lane:
                                      handed[at:at + size]))
                 at += size
             self._take_unread(fronts, out)
+            # No request, frame or close to show for it (an fd it did not know, memory):
+            # the relay reads for itself this once, as when the lane does not run.
+            out.ran = bool(out.requests) or out.closed is not None or out.stopped_at is not None
         return out

@@ -427,12 +427,14 @@ class _Front:
 
 
 class _LearnerStream:
-    __slots__ = ("front", "sid", "unary", "outstanding", "ended", "failed", "admitted")
+    __slots__ = ("front", "sid", "unary", "outstanding", "ended", "failed", "admitted",
+                 "laned")
 
     def __init__(self, front: _Front, sid: int, unary: bool):
         self.front, self.sid, self.unary = front, sid, unary
         self.outstanding = 0            # requests received, not answered
         self.ended = self.admitted = False
+        self.laned = False              # the lane has it open
         self.failed: tuple[grpc.StatusCode, bytes] | None = None
 
 
@@ -585,8 +587,8 @@ class RelayLearner:
         is answered first).  So a request is stepped only after the frames sent during its
         preparation are read (an END stops it), and the next one's copy to the device is
         under way during its step.  With a lane, a pass that finds nothing queued lets the
-        lane run instead; while it runs (it handed back), the looks here take every frame
-        but the requests, which wait for the lane."""
+        lane run instead; while it runs (it handed back), the looks here leave it the
+        requests it takes (see :meth:`_parse`)."""
         prepared, received = self._prepared, self._received
         while True:
             if self._joining:
@@ -617,8 +619,13 @@ class RelayLearner:
         unread = {f.index: bytes(f.unread) for f in fronts if f.unread}
         for front in fronts:
             front.unread.clear()
-        got = self._lane.pump([(f.index, f.fd, f.slots) for f in fronts], unread,
-                              self._poll.fileno(), self._wake_in.fileno())
+        try:
+            got = self._lane.pump([(f.index, f.fd, f.slots) for f in fronts], unread,
+                                  self._poll.fileno(), self._wake_in.fileno())
+        except BaseException:   # the relay fails: what it read is still answered as it ends
+            for index, data in unread.items():
+                self._fronts[index].unread[:0] = data
+            raise
         self._lane_ran = got.ran
         for index, n in got.answered.items():
             for _ in range(n):
@@ -681,8 +688,13 @@ class RelayLearner:
         self._front_closed(front)
         if front.index == 0:
             self._closing = True
-            for other in [f for f in self._polled.values() if f is not None]:
+            others = [f for f in self._polled.values() if f is not None]
+            for other in others:
                 self._unwatch(other)
+            if self._lane_ran:   # the requests left for the lane are drained here too
+                self._lane_ran = False
+                for other in others:
+                    self._parse(other)
 
     def _unwatch(self, front: _Front) -> None:
         """Stop reading ``front`` in :meth:`_look`."""
@@ -716,21 +728,26 @@ class RelayLearner:
 
     def _parse(self, front: _Front, *, take_first: bool = False) -> bool:
         """Act on the complete frames in ``front``'s unread bytes; False when one names no
-        slot of the front's (its connection is then shut).  While a lane runs, stop at a
-        request (left for the lane), unless ``take_first`` and it is the first frame (the
-        one the lane handed back for)."""
+        slot of the front's (its connection is then shut).  While a lane runs, the requests
+        it takes (PACKED, of a stream it has open) stay in ``unread``, in order, for its
+        next pump, and so do all later requests of their streams; the first frame is taken
+        whatever it is when ``take_first`` (the one the lane handed back for)."""
         unread = front.unread
         at, size = 0, _FRAME.size
-        leave_requests = self._lane_ran
+        kept, left = bytearray(), set()   # requests left for the lane; their streams
         while len(unread) - at >= size:
             op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
-            if leave_requests and (op == REQ or op == PACKED) and not (take_first and at == 0):
-                break
             # its bytes follow the frame
             inline = op in (PACKED, REFUSED, CALL) or (op == REQ and slot < 0)
             end = at + size + (n if inline else 0)
             if len(unread) < end:
                 break
+            if (self._lane_ran and (op == REQ or op == PACKED) and not (take_first and at == 0)
+                    and (sid in left or op == PACKED and self._laned(front, sid))):
+                left.add(sid)
+                kept += unread[at:end]
+                at = end
+                continue
             payload = bytes(unread[at + size:end]) if inline else b""
             at = end
             if (op == REQ or op == PACKED) and not self._in_bounds(front, op, slot, n):
@@ -756,8 +773,13 @@ class RelayLearner:
                     log.warning("relay frame of unknown kind %d (stream %d) ignored", op, sid)
             except Exception:  # noqa: BLE001 — one bad frame must not end the relay
                 log.exception("relay frame %d of stream %d failed", op, sid)
-        del unread[:at]
+        unread[:at] = kept
         return True
+
+    def _laned(self, front: _Front, sid: int) -> bool:
+        """Whether the lane has stream ``sid`` of ``front`` open (takes its requests)."""
+        stream = self._streams.get((front.index, sid))
+        return stream is not None and stream.laned
 
     @staticmethod
     def _in_bounds(front: _Front, op: int, slot: int, n: int) -> bool:
@@ -799,7 +821,7 @@ class RelayLearner:
                 stream.failed = (code, details.encode())
         self._streams[front.index, sid] = stream
         if self._lane is not None and stream.failed is None:
-            self._lane.open(front.index, sid)
+            stream.laned = self._lane.open(front.index, sid)
 
     def _enqueue(self, front: _Front, sid: int, slot: int, data: memoryview,
                  deadline: float, packed: bytes | None = None,
@@ -828,7 +850,12 @@ class RelayLearner:
     def _ended(self, stream: _LearnerStream) -> None:
         """``stream`` ended: none of its requests not yet started will be applied."""
         stream.ended = True
-        if self._lane is not None:
+        self._unlane(stream)
+
+    def _unlane(self, stream: _LearnerStream) -> None:
+        """The lane no longer takes ``stream``'s requests (ended, failed or finished)."""
+        if stream.laned:
+            stream.laned = False
             self._lane.forget(stream.front.index, stream.sid)
 
     def _finish(self, stream: _LearnerStream) -> None:
@@ -837,8 +864,7 @@ class RelayLearner:
         key = (stream.front.index, stream.sid)
         if self._streams.get(key) is stream:
             del self._streams[key]
-            if self._lane is not None:
-                self._lane.forget(stream.front.index, stream.sid)
+            self._unlane(stream)
             if stream.admitted:
                 self._close_stream()
 
@@ -907,8 +933,7 @@ class RelayLearner:
                               stream.sid)
                 code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             stream.failed = (code, details.encode())
-            if self._lane is not None:
-                self._lane.forget(stream.front.index, stream.sid)
+            self._unlane(stream)
             return stream.failed
         finally:
             self._close(item)

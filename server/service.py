@@ -419,10 +419,12 @@ class LearnerService(pb_grpc.LearnerServicer):
         for many turns."""
         while True:
             with self._queue_lock:
+                if self._draining:
+                    break
                 if not self._wanting:
                     break
             time.sleep(WAIT_TURN_S)
-        learner = self._learner
+        learner = self._learner if not self._draining else None
         if learner is not None:
             with self._apply_lock:
                 with self._queue_lock:   # after the lock: drain() may have returned meanwhile

@@ -11,6 +11,7 @@ import random
 import socket
 import threading
 import time
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -25,7 +26,7 @@ from duelq.server.lane import Lane, LaneOutcome
 from duelq.server.learner import Learner, StepResult
 from duelq.server.native import LaneEngine
 from duelq.server.packing import Packer
-from duelq.server.relay import _FRAME, END, RelayFront, RelayLearner, SlotPool
+from duelq.server.relay import _FRAME, END, PACKED, REQ, RelayFront, RelayLearner, SlotPool
 from duelq.server.service import (REPLAY_KINDS, LearnerService, Limits, encoded_train_response,
                                   refusal)
 from duelq.v1 import learner_pb2 as pb
@@ -265,15 +266,20 @@ def test_an_end_read_after_a_requests_copy_stops_its_step(monkeypatch):
     rng = np.random.default_rng(14)
     front = relay.fronts[0]
     try:
-        stream = front.open(unary=False, deadline=None)
-        replies = stream.replies()
-        assert stream.submit(_request(rng)) and next(replies)[0] == grpc.StatusCode.OK
-        end["send"] = lambda: front._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
-        assert stream.submit(_request(rng))
-        assert next(replies) == (grpc.StatusCode.CANCELLED, b"the call ended before this "
-                                 b"request started; it was not applied")
-        assert not end and service.learner.step_count == 1   # the lane copied it: no step
-        stream.close()
+        for stepped in range(1, 5):   # more times than there are upload slots
+            stream = front.open(unary=False, deadline=None)
+            replies = stream.replies()
+            assert stream.submit(_request(rng)) and next(replies)[0] == grpc.StatusCode.OK
+            end["send"] = lambda: front._send(_FRAME.pack(END, stream.sid, 0, 0, 0.0))
+            assert stream.submit(_request(rng))
+            assert next(replies) == (grpc.StatusCode.CANCELLED, b"the call ended before this "
+                                     b"request started; it was not applied")
+            assert not end and service.learner.step_count == stepped   # copied, not stepped
+            stream.close()
+        answers = relay.lane.answers   # each upload slot came back: the lane answers on
+        assert relay.run(0, [_request(rng) for _ in range(6)]) == [(grpc.StatusCode.OK,
+                                                                    mock.ANY)] * 6
+        _eventually(lambda: relay.lane.answers >= answers + 5)
     finally:
         relay.close()
 
@@ -304,29 +310,61 @@ def test_the_lane_applies_nothing_once_the_service_drains():
         assert later is None
 
 
-def test_a_thread_waiting_for_the_apply_lock_has_it_before_the_lanes_next_turn():
-    """A lane's turn waits while another thread waits for the apply lock (a checkpoint's
-    snapshot), so the lock goes to that thread first."""
+def test_a_snapshot_waits_for_at_most_one_more_lane_turn():
+    """Lane turns back to back (each holding the apply lock 5 ms, as a pump): a snapshot
+    that asks for the lock has it within the next turn or two, not after many (the turn
+    lets threads already waiting for the lock go first)."""
     service = _service()
-    order: list[str] = []
-    service._apply_lock.acquire()   # held, as by a lane's turn
-    try:
-        snapshot = threading.Thread(target=lambda: (service.snapshot(),
-                                                    order.append("snapshot")))
-        snapshot.start()
-        _eventually(lambda: service._wanting == 1)
+    turns, stop = [0], threading.Event()
 
-        def take_turn() -> None:
-            with service.lane_turn() as turn:
-                order.append("turn" if turn is not None else "none")
-        turn = threading.Thread(target=take_turn)
-        turn.start()
-        time.sleep(0.05)   # it waits for the snapshot's turn, not for the lock
+    def lane() -> None:
+        while not stop.is_set():
+            with service.lane_turn():
+                turns[0] += 1
+                start = time.perf_counter()
+                while time.perf_counter() - start < 0.005:   # busy, as a pump
+                    pass
+    thread = threading.Thread(target=lane)
+    thread.start()
+    try:
+        waited = []
+        for _ in range(10):
+            before = turns[0]
+            service.snapshot()
+            waited.append(turns[0] - before)
+            time.sleep(0.003)
     finally:
-        service._apply_lock.release()
-    snapshot.join(5)
-    turn.join(5)
-    assert order == ["snapshot", "turn"]
+        stop.set()
+        thread.join(5)
+    assert max(waited) <= 2, waited
+
+
+def test_an_end_behind_a_request_left_for_the_lane_still_stops_the_ones_before():
+    """Frames read together after a hand-back: an unpacked request (the relay's), a packed
+    one (left for the lane) and the stream's END.  The relay acts on the END though a
+    request stands before it, so neither request is applied, as without the lane."""
+    got = []
+    for lane in (None, "python"):
+        service = _service()
+        relay = Relay(service, lane=lane, fronts=1)
+        rng = np.random.default_rng(15)
+        front = relay.fronts[0]
+        try:
+            stream = front.open(unary=False, deadline=None)
+            replies = stream.replies()
+            assert stream.submit(_request(rng)) and next(replies)[0] == grpc.StatusCode.OK
+            unpacked, packed = _request(rng, actor="q", seq=1), _request(rng)
+            front.slots.write(1, unpacked)
+            descriptor = Packer().pack(packed, front.slots.array(2), front.slots.address(2))
+            for slot in (1, 2):   # taken from the front's free slots, as submit does
+                front._free.get_nowait()
+            front._send(_FRAME.pack(REQ, stream.sid, 1, len(unpacked), 0.0)
+                        + _FRAME.pack(PACKED, stream.sid, 2, len(descriptor), 0.0)
+                        + descriptor + _FRAME.pack(END, stream.sid, 0, 0, 0.0))
+            got.append([next(replies)[0], next(replies)[0], service.learner.step_count])
+        finally:
+            relay.close()
+    assert got[0] == got[1] == [grpc.StatusCode.CANCELLED] * 2 + [1]
 
 
 @pytest.mark.parametrize("seed", [1, 2])
