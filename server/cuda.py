@@ -702,15 +702,21 @@ class CudaBackend(Backend):
         self._lent = slots
         for i, slot in enumerate(slots):
             engine.uploads[i] = slot.call_address
-            engine.upload_device[i] = slot.staging.device_ptr
-            engine.upload_words[i] = slot.staging.device.size
             slot.layout = ()   # its buffer is written by copies an unpack knows nothing of
-        out = self._outputs
-        engine.out_host, engine.out_device = out.host_ptr, out.device_ptr
-        engine.out_words = min(out.host.size, out.device.size)
+        self._lend_buffers(engine)
         engine.step, engine.epoch, engine.cur, engine.synced_s = (self._step, self._epoch,
                                                                   self._cur, 0.0)
         return True
+
+    def _lend_buffers(self, engine: LaneEngine) -> None:
+        """Tell ``engine`` where the outputs' buffers and the lent upload slots' device
+        buffers are now, and their sizes (a reserve may have moved them)."""
+        out = self._outputs
+        engine.out_host, engine.out_device = out.host_ptr, out.device_ptr
+        engine.out_words = min(out.host.size, out.device.size)
+        for i, slot in enumerate(self._lent):
+            engine.upload_device[i] = slot.staging.device_ptr
+            engine.upload_words[i] = slot.staging.device.size
 
     def lane_exit(self, engine: LaneEngine) -> None:
         """Take the backend back from ``engine`` after a pump (its steps are committed)."""
@@ -729,14 +735,10 @@ class CudaBackend(Backend):
             return
         G, R, tile = self._shape(rows)
         kernel = self._steps[kind][tile]
-        out = self._outputs
-        out.reserve(2 * rows + 1 + 5 * G)
-        engine.out_host, engine.out_device = out.host_ptr, out.device_ptr
-        engine.out_words = min(out.host.size, out.device.size)
-        for i, slot in enumerate(self._lent):
+        self._outputs.reserve(2 * rows + 1 + 5 * G)
+        for slot in self._lent:
             slot.staging.reserve_device(words)
-            engine.upload_device[i] = slot.staging.device_ptr
-            engine.upload_words[i] = slot.staging.device.size
+        self._lend_buffers(engine)
         i = engine.shapes
         engine.shape_rows[i], engine.shape_kind[i], engine.shape_blocks[i] = rows, kind, G
         engine.shape_rows_per_block[i], engine.shape_smem[i] = R, kernel.smem

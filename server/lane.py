@@ -174,8 +174,7 @@ class Lane:
             raise ValueError(f"engine must be cuda or python, got {engine!r}")
         self._service, self._engine_kind, self._answered = service, engine, answered
         self.budget_s = budget_s
-        self._native = native.load(cuda=False)
-        self._c = self._native.lane
+        self._c = native.load(cuda=False).lane
         self._lane = self._c.new(ITEMS, STREAMS, ACTORS)
         if not self._lane:
             raise MemoryError("the relay's fast lane could not allocate its tables")
@@ -183,7 +182,7 @@ class Lane:
         self._engine = None           # LaneEngine (cuda) or _PythonEngine
         self._guard = None            # the replay guard whose keys the lane knows
         self._fronts: dict[int, tuple] = {}   # front → what the lane was told of it
-        self._miss: tuple | None = None   # the batch shape the engine last did not take
+        self._miss: tuple | None = None   # (rows, hidden, kind) the engine last did not take
         self._size = ctypes.c_size_t()
         self.pumps = self.handovers = self.answers = 0   # for tests and benchmarks
 
@@ -223,7 +222,7 @@ class Lane:
                     if self._c.feed(self._lane, index, data, len(data)):
                         raise MemoryError("the relay's fast lane could not take a front's bytes")
                 if cuda and self._miss is not None:
-                    self._take_shape(learner, *self._miss[:3])
+                    self._take_shape(learner, *self._miss)
                 self._miss = None
                 why = self._c.pump(self._lane, poll_fd, wake_fd, self.budget_s)
             finally:
@@ -329,7 +328,7 @@ class Lane:
             if n:
                 out.answered[index] = n
         miss = (ctypes.c_uint * 4)()
-        self._miss = tuple(miss) if self._c.miss(self._lane, miss) else None
+        self._miss = tuple(miss[:3]) if self._c.miss(self._lane, miss) else None
         if why == EXIT_HANDOVER:
             self.handovers += 1
             closed, stopped = self._c.closed(self._lane), self._c.stopped_at(self._lane)

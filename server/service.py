@@ -346,11 +346,8 @@ class LearnerService(pb_grpc.LearnerServicer):
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
         """A consistent (state, {"replay": idempotency records}) pair for a checkpoint."""
         learner = self.learner
-        self._take_apply_lock()
-        try:
+        with self._holding_apply_lock():
             state, replay = learner.snapshot(), self._replay.copy()
-        finally:
-            self._apply_lock.release()
         return state, {"replay": replay.to_bytes()}
 
     def drain(self) -> None:
@@ -358,14 +355,19 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self._queue_lock:
             self._draining = True
         while True:
-            self._take_apply_lock()
-            try:
-                with self._queue_lock:
-                    if self._waiting == 0:
-                        return
-            finally:
-                self._apply_lock.release()
+            with self._holding_apply_lock(), self._queue_lock:
+                if self._waiting == 0:
+                    return
             time.sleep(0.001)
+
+    @contextlib.contextmanager
+    def _holding_apply_lock(self) -> Iterator[None]:
+        """The apply lock for a ``with`` block, taken through :meth:`_take_apply_lock`."""
+        self._take_apply_lock()
+        try:
+            yield
+        finally:
+            self._apply_lock.release()
 
     def _take_apply_lock(self, timeout: float | None = None) -> bool:
         """Acquire the apply lock (``timeout``: None, no limit), counted in ``_wanting`` while
@@ -419,12 +421,11 @@ class LearnerService(pb_grpc.LearnerServicer):
         for many turns."""
         while True:
             with self._queue_lock:
-                if self._draining:
-                    break
-                if not self._wanting:
-                    break
+                draining, wanting = self._draining, self._wanting
+            if draining or not wanting:
+                break
             time.sleep(WAIT_TURN_S)
-        learner = self._learner if not self._draining else None
+        learner = None if draining else self._learner
         if learner is not None:
             with self._apply_lock:
                 with self._queue_lock:   # after the lock: drain() may have returned meanwhile
