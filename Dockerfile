@@ -2,7 +2,7 @@
 #
 # A CUDA runtime image is not enough for CuPy on CUDA 12.2+: NVRTC needs the cudart
 # headers to compile kernels/*.cu at start-up, so the cudart dev package is added; and gcc
-# builds server/native.c (a step's host calls in C) at the first start.
+# builds server/core/native.c (a step's host calls in C) at the first start.
 ARG BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
@@ -31,8 +31,10 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['cuda']))" > /tmp
 COPY README.md ./
 COPY protos ./protos
 COPY kernels ./kernels
+COPY wire ./wire
 COPY client ./client
 COPY server ./server
+COPY apps ./apps
 # Our own package, dependencies already installed above.
 # hadolint ignore=DL3013
 RUN pip install --no-deps '.[cuda]'
@@ -43,11 +45,10 @@ RUN useradd --create-home --uid 10001 duelq \
  && chown -R duelq:duelq /data /home/duelq/.cache
 USER 10001
 WORKDIR /home/duelq
-# Eight gRPC front processes relay to the learner process (docs/benchmarks.md, round 14:
-# on 16-core H200 hosts 8 fronts scored higher than 4 at B = 1024 in every comparison);
-# hosts with fewer cores: -e DUELQ_FRONT_PROCESSES=<about half the cores>.
+# Eight gRPC front processes relay to the learner process (on 16-core H200 hosts 8 fronts
+# carried more steps/s than 4 at B = 1024); hosts with fewer cores:
+# -e DUELQ_FRONT_PROCESSES=<about half the cores>.
 ENV CUPY_CACHE_DIR=/home/duelq/.cache/cupy \
-    DUELQ_FRONT_PROCESS=1 \
     DUELQ_FRONT_PROCESSES=8 \
     DUELQ_HOST=0.0.0.0 \
     DUELQ_PORT=50051 \

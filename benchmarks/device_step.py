@@ -24,11 +24,11 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 
-from duelq.server import reference
-from duelq.server.batch import Batch
-from duelq.server.config import LearnerConfig
-from duelq.server.cuda import CudaBackend
-from duelq.server.state import LearnerState
+from duelq.server.core import reference
+from duelq.server.core.batch import Batch
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.cuda import CudaBackend
+from duelq.server.core.state import LearnerState
 
 HERE = Path(__file__).resolve().parent
 SPIN = cp.RawKernel(r"""

@@ -1,13 +1,13 @@
 """duelq.client: the library remote actors use to talk to a duelq learner.
 
-``Batch`` is the server's own dataclass (duelq.server.batch), re-exported so
-that actors and the learner share one definition of a batch and its fields.
+``Batch`` is the one definition of a batch that actors and the learner share
+(``duelq.wire.types``).
 """
 
-from duelq.server.batch import Batch
+from duelq.wire.types import Batch
 
-from . import errors
-from .client import (ActResult, EntropyResult, ISVValue, LearnerClient, ServerInfo,
+from duelq.client import errors
+from duelq.client.client import (ActResult, EntropyResult, ISVValue, LearnerClient, ServerInfo,
                      TrainResult, Weights, encode_batch)
 
 __all__ = ["ActResult", "Batch", "EntropyResult", "ISVValue", "LearnerClient", "ServerInfo",

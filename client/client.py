@@ -10,6 +10,7 @@ raised as a :mod:`duelq.client.errors` exception.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -27,14 +28,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from duelq.server.batch import Batch
-from duelq.server.config import LearnerConfig
-from duelq.server.state import Params
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
-from . import errors
-from .tensors import decode, encode, floating, tensor_fields, tensor_wire, varint
+from duelq.client import errors
+from duelq.wire import tensors
+from duelq.wire.tensors import floating, varint
+from duelq.wire.types import Batch, Params
 
 FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -90,7 +90,9 @@ class ISVValue:
 class ServerInfo:
     backend: str
     device: str
-    config: LearnerConfig
+    hidden_dim: int   # H of the head the server trains
+    n_actions: int    # N
+    config: dict      # the server's whole learner configuration (GetInfo's config_json)
     step: int
     version: int
     max_message_bytes: int
@@ -101,6 +103,21 @@ class ServerInfo:
 
 
 _bad = errors.InvalidArgument.of
+
+
+def _local(codec):
+    """``codec`` with its TensorError raised as errors.InvalidArgument (a local refusal)."""
+    @functools.wraps(codec)
+    def call(*args, **kwargs):
+        try:
+            return codec(*args, **kwargs)
+        except tensors.TensorError as exc:
+            raise _bad(exc.field, exc.problem) from None
+    return call
+
+
+decode, encode, tensor_fields, tensor_wire = map(_local, (
+    tensors.decode, tensors.encode, tensors.tensor_fields, tensors.tensor_wire))
 
 
 #: dtype kinds each vector may have (numpy kind codes: f float, i/u integer, b bool).
@@ -465,7 +482,8 @@ class LearnerClient:
     def info(self) -> ServerInfo:
         """Backend, device, config, step, version and limits of the server."""
         r = self._call(self._stub.GetInfo, pb.GetInfoRequest())
-        return ServerInfo(r.backend, r.device, LearnerConfig.from_dict(json.loads(r.config_json)),
+        config = json.loads(r.config_json)
+        return ServerInfo(r.backend, r.device, config["hidden_dim"], config["n_actions"], config,
                           r.step, r.version, r.max_message_bytes, r.max_batch_size,
                           r.max_streams, r.server_version, r.max_queue)
 

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from duelq.server.batch import Batch
+from duelq.wire.types import Batch
 
 
 class NStepReplay:

@@ -61,7 +61,7 @@ struct StepArgs {
     float* isv_next;           // [isv_size] proposed ISV
     const int* observed;       // [isv_size] current observed flags (0/1)
     int* observed_next;        // [isv_size] proposed observed flags
-    const float* in;           // packed inputs
+    const float* inputs;       // packed inputs
     float* out;                // packed outputs
     tagged_t* part_grad;       // [G][PARAM_STRIDE] per-block gradient partials (tagged)
     double* part_sq;           // [G] per-block squared gradient norms (clipping)
@@ -171,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int blk = blockIdx.x, G = gridDim.x, B = a.batch;
     const size_t BH = (size_t)B * HIDDEN_DIM;
-    const char* in = reinterpret_cast<const char*>(a.in);
+    const char* in = reinterpret_cast<const char*>(a.inputs);
     const void* h_t = in;                                              // [B, H] FEATURES
     const void* h_tp1 = in + BH * FEATURE_BYTES;                       // [B, H] FEATURES
     const float* tail = reinterpret_cast<const float*>(in + 2 * BH * FEATURE_BYTES);

@@ -7,10 +7,10 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
         --target /tmp/site "$ROOT"/.whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! "$PY" -c 'import duelq.server, duelq.kernels, duelq.v1' 2>/dev/null; then
+if ! "$PY" -c 'import duelq.server, duelq.apps, duelq.wire, duelq.kernels, duelq.v1' 2>/dev/null; then
     SHIM=$(mktemp -d)
     mkdir -p "$SHIM/duelq"
-    for pkg in server client kernels; do ln -s "$ROOT/$pkg" "$SHIM/duelq/$pkg"; done
+    for pkg in wire server client apps kernels; do ln -s "$ROOT/$pkg" "$SHIM/duelq/$pkg"; done
     ln -s "$ROOT/protos/duelq/v1" "$SHIM/duelq/v1"
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi

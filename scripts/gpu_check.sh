@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # gpu_check.sh — the one command for a GPU machine: the `gpu` tests, the device
-# benchmark, then issue 5's goals for the Docker image's server model (`duelq bench
-# --front-process --front-processes $FRONTS`, B = 1024, 8 actors, and the learner's host
-# work per request from benchmarks/relay_path.py, RELAY_RUNS times), then a short summary.
+# benchmark, then the Docker image's server model end to end (`duelq bench
+# --front-processes $FRONTS`, B = 1024, 8 actors), then a short summary.
 #
-#   [FRONTS=8] [BACKEND=cuda] [RELAY_RUNS=5] [E2E=0: skip the end-to-end part] \
+#   [FRONTS=8] [BACKEND=cuda] [E2E=0: skip the end-to-end part] \
 #       scripts/gpu_check.sh [pytest…]
 #
 # Default: `pytest -m gpu` over the test modules that mark gpu tests (other modules may
@@ -16,7 +15,6 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
-[[ ${RELAY_RUNS:-5} =~ ^[1-9][0-9]*$ ]] || { echo "RELAY_RUNS must be a count ≥ 1" >&2; exit 2; }
 
 . "$ROOT/scripts/device_env.sh"
 cd "$ROOT"
@@ -35,21 +33,13 @@ fi
 TESTS_RC=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/device_step.py 2>&1 | tee "$LOGS/device_step.log"
 BENCH_RC=${PIPESTATUS[0]}
-E2E_RC=0 RELAY_RC=0 FRONTS=${FRONTS:-8}
+E2E_RC=0 FRONTS=${FRONTS:-8}
 if [ "${E2E:-1}" != 0 ]; then
-    timeout 300 "$PY" -m duelq.server.cli bench --backend "${BACKEND:-cuda}" --front-process \
+    timeout 300 "$PY" -m duelq.apps.cli bench --backend "${BACKEND:-cuda}" \
         --front-processes "$FRONTS" --batch-sizes 1024 --actors 8 --scaling-actors "" \
         --no-experiments --no-device-step --duration 3 --out "$LOGS/bench-fronts" \
         2>&1 | tee "$LOGS/bench-fronts.log"
     E2E_RC=${PIPESTATUS[0]}
-    # One host's figure moves by tens of per cent from run to run: RELAY_RUNS of them.
-    : > "$LOGS/relay_path.log"
-    for _ in $(seq "${RELAY_RUNS:-5}"); do
-        timeout 120 "$PY" benchmarks/relay_path.py --backend "${BACKEND:-cuda}" \
-            --fronts "$FRONTS" --duration 3 2>&1 | tee -a "$LOGS/relay_path.log"
-        RC=${PIPESTATUS[0]}
-        [ "$RC" = 0 ] || RELAY_RC=$RC
-    done
 fi
 
 echo
@@ -59,12 +49,17 @@ echo "gpu tests (exit $TESTS_RC): $(tail -n 1 "$LOGS/gpu_tests.log")"
 sed -n '/^## duelq device benchmark/,$p' "$LOGS/device_step.log"
 echo "benchmark exit $BENCH_RC"
 if [ "${E2E:-1}" != 0 ]; then
-    echo "end to end, $FRONTS fronts (bench exit $E2E_RC, relay_path exit $RELAY_RC):"
-    sed -n '/^### Issue 5 goals, as measured here/,$p' "$LOGS/bench-fronts.log" | grep '^- '
-    HOST_US=$(grep -E '^\| [0-9]' "$LOGS/relay_path.log" | awk -F'|' '{print $6 + 0}' | sort -n \
-        | awk '{v[NR] = $1} END {if (NR) printf "median %g µs (%d run(s): %g–%g)", \
-              (v[int((NR + 1) / 2)] + v[int(NR / 2) + 1]) / 2, NR, v[1], v[NR]}')
-    echo "- the learner's host work per request (relay_path.py, $FRONTS fronts; goal ≤ 100 µs):" \
-        "${HOST_US:-not measured}"
+    echo "end to end, $FRONTS fronts, B = 1024, 8 actors (bench exit $E2E_RC):"
+    "$PY" - "$LOGS/bench-fronts/bench.json" <<'ROWS'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except (OSError, ValueError, KeyError):
+    sys.exit("- no bench.json")
+for r in rows:
+    if r.get("batch") == 1024 and r.get("section") == "main" and "error" not in r:
+        ratio = f" ({r['vs_echo']:.2f} of the echo)" if r.get("vs_echo") else ""
+        print(f"- {r['kind']} {r['wire']}: {r['steps_per_s']:.0f} steps/s{ratio}")
+ROWS
 fi
-exit $(( TESTS_RC != 0 || BENCH_RC != 0 || E2E_RC != 0 || RELAY_RC != 0 ))
+exit $(( TESTS_RC != 0 || BENCH_RC != 0 || E2E_RC != 0 ))

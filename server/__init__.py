@@ -1,12 +1,2 @@
-"""duelq.server: the learner core, its backends and the gRPC service."""
-
-from .batch import Batch
-from .config import LearnerConfig
-from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
-from .learner import Learner, StepResult
-from .state import LearnerState, Params
-
-__all__ = [
-    "Batch", "InvalidArgument", "Learner", "LearnerConfig", "LearnerError", "LearnerState",
-    "NonFiniteStep", "Params", "ResourceExhausted", "StepResult",
-]
+"""duelq.server: the gRPC service and server around the learner core (``duelq.server.core``);
+the multi-process front machinery lives in ``duelq.server.fronts``."""

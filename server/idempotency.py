@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 from google.protobuf.message import DecodeError
 
-from .errors import InvalidArgument, LearnerError
+from duelq.server.core.errors import InvalidArgument, LearnerError
 
 MAX_ACTOR_ID_BYTES = 128
 _MAGIC = b"DQR2"
@@ -74,8 +74,6 @@ class ReplayGuard:
         self.capacity, self.window, self.max_actors = capacity, window, max_actors
         self._actors: OrderedDict[str, _Actor] = OrderedDict()
         self._responses: OrderedDict[tuple[str, int], Any] = OrderedDict()
-        self.journal: set[str] | None = None
-        """When a set, :meth:`record` adds each key's actor to it (server/lane.py reads it)."""
 
     @staticmethod
     def check_key(actor_id: str, seq: int) -> None:
@@ -121,8 +119,6 @@ class ReplayGuard:
 
     def record(self, actor_id: str, seq: int, response: Any) -> None:
         """Mark a key applied and keep its response."""
-        if self.journal is not None:
-            self.journal.add(actor_id)
         actor = self._actors.get(actor_id)
         if actor is None:
             actor = self._actors[actor_id] = _Actor()

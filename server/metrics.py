@@ -21,7 +21,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from .learner import Learner
+from duelq.server.core.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Metrics:
                                  "answered (waiting for the learner or running)", registry=r)
         self.active_streams = Gauge("duelq_active_streams", "Open TrainStreams", registry=r)
         self.relayed = Counter("duelq_relayed_requests", "Train requests relayed by each front "
-                               "process (--front-process)", ["front"], registry=r)
+                               "process (--front-processes)", ["front"], registry=r)
         r.register(_ScrapeTimeCollector(learner, lambda: self.checkpoint_dir))
         self.interceptor = _MetricsInterceptor(self)
         self._http = None

@@ -36,15 +36,15 @@ from grpc_reflection.v1alpha import reflection
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
-from .checkpoint import CheckpointError, CheckpointWriter, read_latest
-from .config import LearnerConfig
-from .errors import InvalidArgument
-from .idempotency import ReplayGuard
-from .learner import Learner, make_backend
-from .metrics import Metrics
-from .service import REPLAY_KINDS, LearnerService, Limits
-from .state import LearnerState
-from .wire import train_request_deserializer, undecodable
+from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter, read_latest
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.errors import InvalidArgument
+from duelq.server.idempotency import ReplayGuard
+from duelq.server.core.learner import Learner, make_backend
+from duelq.server.metrics import Metrics
+from duelq.server.service import REPLAY_KINDS, LearnerService, Limits
+from duelq.server.core.state import LearnerState
+from duelq.server.framing import train_request_deserializer, undecodable
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Learner"].full_name  # "duelq.v1.
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
-#: ServerOptions.host_calls → CudaBackend's ``native``.
-HOST_CALLS = {"auto": None, "native": True, "python": False}
 
 
 @dataclass(frozen=True)
@@ -101,31 +99,10 @@ class ServerOptions:
     """Save a checkpoint every this many seconds if steps were applied; 0 = no time trigger."""
     checkpoint_keep: int = 3
     """Checkpoints kept in ``checkpoint_dir`` (the newest ones)."""
-    front_process: bool = False
-    """Serve gRPC from this process and run the learner in a second one, handing train
-    requests over through shared memory: gRPC's per-message work and the learner's no
-    longer share one GIL (see docs/benchmarks.md)."""
-    front_processes: int = 1
-    """With ``front_process``: gRPC front processes sharing the port (SO_REUSEPORT: the kernel
-    spreads connections over them), each with a GIL of its own; ignored (with a warning)
-    without it."""
-    relay_slots: int = 32
-    """With ``front_process``: train requests in flight between each front and the learner."""
-    relay_slot_mb: float = 8.0
-    """With ``front_process``: MiB of shared memory per slot; a request that does not fit
-    (packed, or else as it came) is relayed through the socket instead (slower, same
-    result)."""
-    relay_pack: bool = True
-    """With ``front_process``: the fronts write each train request's arrays into its slot in
-    the step kernel's input layout where its dtypes and shapes allow (server/packing.py), so
-    the learner neither parses nor unpacks it; off: every request goes as it came."""
-    relay_lane: bool = True
-    """With ``front_process`` on cuda (host calls in C): the learner process's relay loop
-    runs in C for packed requests of open streams with new keys, handing everything else
-    back to the Python loop (server/lane.py); off: the Python loop takes every request."""
-    host_calls: str = "auto"
-    """On cuda, where a step's driver calls are made: "native" (server/native.c, built with
-    the host's C compiler on first use), "python", or "auto" (native where it builds)."""
+    front_processes: int = 0
+    """gRPC front processes sharing the port (SO_REUSEPORT), with the learner in one more
+    process: each front decodes, checks and packs train requests on a GIL of its own.  0
+    serves gRPC from the learner's own process."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, problem: str) -> None:
@@ -152,10 +129,7 @@ class ServerOptions:
         need(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", "must be ≥ 0")
         need(self.checkpoint_every_seconds >= 0, "checkpoint_every_seconds", "must be ≥ 0")
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
-        need(1 <= self.front_processes <= 64, "front_processes", "must be in [1, 64]")
-        need(self.relay_slots >= 1, "relay_slots", "must be ≥ 1")
-        need(self.host_calls in HOST_CALLS, "host_calls", f"must be one of {tuple(HOST_CALLS)}")
-        need(1 / 16 <= self.relay_slot_mb <= 1024, "relay_slot_mb", "must be in [1/16, 1024]")
+        need(0 <= self.front_processes <= 64, "front_processes", "must be in [0, 64]")
 
     def bearer_token(self) -> str:
         """``token``, or the contents of ``token_file``; "" when auth is off."""
@@ -434,9 +408,8 @@ class LearnerServer:
                                 "before it would be applied again", found.path)
                 log.info("resuming from %s: step %d", found.path, state.step)
         state = state if state is not None else LearnerState.initial(config)
-        learner = Learner(config, backend=make_backend(
-            backend, config, state, native=HOST_CALLS[self.options.host_calls]),
-            max_batch_size=self.options.max_batch_size)
+        learner = Learner(config, backend=make_backend(backend, config, state),
+                          max_batch_size=self.options.max_batch_size)
         self.attach(learner, replay=replay)
         return learner
 
@@ -476,32 +449,3 @@ class LearnerServer:
                 self.metrics.close()
             log.info("stopped")
         return saved
-
-
-def make_server(options: ServerOptions, *,
-                interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
-    """A :class:`LearnerServer`, or a :class:`~duelq.server.front.FrontServer` with
-    ``front_process``; not started."""
-    if not options.front_process:
-        if options.front_processes > 1:   # e.g. the Docker image's 8 with DUELQ_FRONT_PROCESS=0
-            log.warning("front_processes=%d is ignored: front_process is off, so the server "
-                        "runs in one process", options.front_processes)
-        return LearnerServer(options, interceptors=interceptors)
-    from .front import FrontServer
-    if interceptors:
-        raise ValueError("interceptors are not supported with front_process")
-    return FrontServer(options)
-
-
-def start_server(config: LearnerConfig, options: ServerOptions, *, backend: str = "auto",
-                 interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
-    """Start a server (a :class:`~duelq.server.front.FrontServer` with ``front_process``),
-    build (or resume) the learner on ``backend``; SERVING on return."""
-    server = make_server(options, interceptors=interceptors)
-    try:
-        server.start()
-        server.serve_learner(config, backend=backend)
-    except BaseException:
-        server.stop(0)
-        raise
-    return server

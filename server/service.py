@@ -29,28 +29,24 @@ import secrets
 import struct
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
 
-from duelq.client import errors as client_errors
-from duelq.client.tensors import decode, encode, float16_to_float32, tensor_head, varint
+from duelq.server.core.batch import Batch, PackedBatch
+from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter
+from duelq.server.core.errors import (InvalidArgument, LearnerError, NonFiniteStep,
+                                      ResourceExhausted)
+from duelq.server.core.learner import Learner, Prepared, StepResult
+from duelq.server.core.state import LearnerState
+from duelq.server.idempotency import AlreadyApplied, ReplayGuard
+from duelq.server.framing import train_request_deserializer, undecodable
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
-
-from .batch import Batch, HostSpan
-from .checkpoint import CheckpointError, CheckpointWriter
-from .errors import InvalidArgument, LearnerError, NonFiniteStep, ResourceExhausted
-from .idempotency import AlreadyApplied, ReplayGuard
-from .learner import Learner, Prepared, StepResult
-from .packing import read_packed
-from .plans import Plans, RequestPlan
-from .state import LearnerState
-from .wire import (TENSOR_FIELDS, WireTrainRequest, known_layout, train_request_deserializer,
-                   undecodable)
+from duelq.wire.tensors import TensorError, decode, encode, float16_to_float32, tensor_head, varint
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +76,7 @@ class Expired(LearnerError):
 
 
 _STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
-    ((InvalidArgument, client_errors.InvalidArgument), grpc.StatusCode.INVALID_ARGUMENT),
+    ((InvalidArgument, TensorError), grpc.StatusCode.INVALID_ARGUMENT),
     ((ResourceExhausted,), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((NonFiniteStep, CheckpointsOff), grpc.StatusCode.FAILED_PRECONDITION),
     ((AlreadyApplied,), grpc.StatusCode.ALREADY_EXISTS),
@@ -94,7 +90,7 @@ def refusal(exc: Exception, method: str, peer: str) -> tuple[grpc.StatusCode, st
     """The choke point: one exception → (status code, details), logged."""
     for types, code in _STATUS:
         if isinstance(exc, types):
-            message = exc.details if isinstance(exc, client_errors.DuelqError) else str(exc)
+            message = str(exc)
             log.info("%s from %s: %s %s", method, peer, code.name, message)
             return code, message
     ref = secrets.token_hex(4)
@@ -143,40 +139,12 @@ def _features(message, field: str, keep_16bit: bool) -> np.ndarray:
     return float16_to_float32(a) if a.dtype == np.float16 and not keep_16bit else a
 
 
-def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False,
-                 address: int | None = None) -> Batch:
-    """The numpy Batch of a TrainRequest (size checks only; the learner checks values).
-
-    ``address``: where the request's bytes lie in host memory, when they were parsed in
-    place (server/wire.py); the batch then records where its arrays are (``Batch.span``)."""
-    return _placed(*_decode(request, keep_16bit), address)
-
-
-def _decode(request: pb.TrainRequest, keep_16bit: bool) -> tuple[Batch, tuple | None]:
-    """:func:`decode_batch` without a span, and the byte offsets of its arrays in the
-    request when each is a view of exactly its payload (None otherwise: a widened array,
-    or a request protobuf parsed)."""
-    has_weights = request.HasField("weights")
-    arrays = (_features(request, "h_t", keep_16bit), _features(request, "h_tp1", keep_16bit),
-              _required(request, "actions"), _required(request, "rewards"),
-              _required(request, "dones"), _required(request, "discounts"),
-              decode(request.weights, "weights") if has_weights else None)
-    batch, offsets = Batch(*arrays), None
-    if isinstance(request, WireTrainRequest):
-        tensors = [getattr(request, name) for name in TENSOR_FIELDS[:7 if has_weights else 6]]
-        # Only when none was widened (a bfloat16 vector, say): each a view of its bytes.
-        if all(a.nbytes == len(t.data) for a, t in zip(arrays, tensors)):
-            offsets = tuple(t.offset for t in tensors)
-    return batch, offsets
-
-
-def _placed(batch: Batch, offsets: tuple | None, address: int | None) -> Batch:
-    """``batch`` with its span when its arrays lie at ``offsets`` from host ``address``."""
-    if address is None or offsets is None:
-        return batch
-    sizes = tuple(a.nbytes for a in batch.arrays())
-    return replace(batch, span=HostSpan(address, max(o + n for o, n in zip(offsets, sizes)),
-                                        offsets, sizes))
+def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch:
+    """The numpy Batch of a TrainRequest (size checks only; the learner checks values)."""
+    return Batch(_features(request, "h_t", keep_16bit), _features(request, "h_tp1", keep_16bit),
+                 _required(request, "actions"), _required(request, "rewards"),
+                 _required(request, "dones"), _required(request, "discounts"),
+                 decode(request.weights, "weights") if request.HasField("weights") else None)
 
 
 #: The small rpcs a front process relays whole (its others it forwards over gRPC:
@@ -235,7 +203,7 @@ def encoded_train_response(result: StepResult, key: bytes) -> EncodedTrainRespon
     """:func:`train_response` of ``result`` and a key given as its wire bytes, written
     straight to protobuf's canonical bytes (field order, defaults left out; the key's as
     given, canonical from a front's Packer), the vectors copied once: ≈ 1 against 5 µs a
-    response at B = 1024 on the 2-core box (docs/benchmarks.md, round 16).  The relay
+    response at B = 1024 on a 2-core host.  The relay
     path's; tests hold it byte-equal to ``train_response(...).SerializeToString()``."""
     td = np.ascontiguousarray(result.td_errors, np.float32)          # [B]
     priorities = np.ascontiguousarray(result.priorities, np.float32)  # [B]
@@ -304,10 +272,6 @@ class _Release:
         self._service._apply_lock.release()
 
 
-#: How often a lane's turn looks whether the threads waiting for the apply lock have had it.
-WAIT_TURN_S = 1e-4
-
-
 @dataclass(frozen=True)
 class Limits:
     """What the server enforces besides the learner's own checks."""
@@ -327,12 +291,10 @@ class LearnerService(pb_grpc.LearnerServicer):
         self.checkpoints: CheckpointWriter | None = None
         """Saves checkpoints (SaveCheckpoint, periodic); None: checkpoints are off."""
         self._learner: Learner | None = None
-        self._plans = Plans()   # per wire layout, for the attached learner (its .learner)
         self._apply_lock = threading.Lock()
         self._release = _Release(self)   # what _admit returns
-        self._queue_lock = threading.Lock()  # guards _waiting, _wanting and _draining
+        self._queue_lock = threading.Lock()  # guards _waiting and _draining
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
-        self._wanting = 0                    # threads waiting for _apply_lock (lane_turn)
         self._draining = False
         self._streams = threading.BoundedSemaphore(limits.max_streams)
 
@@ -340,7 +302,6 @@ class LearnerService(pb_grpc.LearnerServicer):
         """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
         if replay is not None:
             self._replay = replay
-        self._plans = Plans(learner)
         self._learner = learner
 
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
@@ -362,23 +323,9 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     @contextlib.contextmanager
     def _holding_apply_lock(self) -> Iterator[None]:
-        """The apply lock for a ``with`` block, taken through :meth:`_take_apply_lock`."""
-        self._take_apply_lock()
-        try:
+        """The apply lock for a ``with`` block."""
+        with self._apply_lock:
             yield
-        finally:
-            self._apply_lock.release()
-
-    def _take_apply_lock(self, timeout: float | None = None) -> bool:
-        """Acquire the apply lock (``timeout``: None, no limit), counted in ``_wanting`` while
-        waiting, so that the relay's fast lane lets this thread have the next turn."""
-        with self._queue_lock:
-            self._wanting += 1
-        try:
-            return self._apply_lock.acquire(timeout=-1 if timeout is None else timeout)
-        finally:
-            with self._queue_lock:
-                self._wanting -= 1
 
     def _admit(self, context: grpc.ServicerContext | None, *, changes: bool) -> "_Release":
         """Take the apply lock for one request (bounded queue, deadline, drain); returns
@@ -393,7 +340,8 @@ class LearnerService(pb_grpc.LearnerServicer):
         try:
             left = context.time_remaining() if context is not None else None
             # No deadline: grpc reports one far in the future.
-            got = self._take_apply_lock(None if left is None or left > 1e6 else max(left, 0.0))
+            got = self._apply_lock.acquire(timeout=-1 if left is None or left > 1e6
+                                           else max(left, 0.0))
         finally:
             with self._queue_lock:
                 self._waiting -= 1
@@ -409,32 +357,6 @@ class LearnerService(pb_grpc.LearnerServicer):
     def _refuse_if_draining(self) -> None:
         if self._draining:
             raise NotServing("the server is shutting down; retry with the same key")
-
-    @contextlib.contextmanager
-    def lane_turn(self) -> Iterator[tuple[Learner, ReplayGuard, CheckpointWriter | None]
-                                    | None]:
-        """For server/lane.py, which applies a stretch of steps as one: (the learner, the
-        replay guard, the checkpoint writer) with the apply lock and the learner's lock
-        held throughout, as for one step; None (no lock kept) while no learner is attached
-        or the service drains.  Threads already waiting for the apply lock (a checkpoint's
-        snapshot) have it first: a lane that took it back at once could keep it from them
-        for many turns."""
-        while True:
-            with self._queue_lock:
-                draining, wanting = self._draining, self._wanting
-            if draining or not wanting:
-                break
-            time.sleep(WAIT_TURN_S)
-        learner = None if draining else self._learner
-        if learner is not None:
-            with self._apply_lock:
-                with self._queue_lock:   # after the lock: drain() may have returned meanwhile
-                    ready = not self._draining
-                if ready:
-                    with learner.lock:
-                        yield learner, self._replay, self.checkpoints
-                    return
-        yield None
 
     def _check_train_key(self, key: pb.RequestKey) -> None:
         """Refuse a train request's malformed key, or any while draining: early, before the
@@ -469,29 +391,13 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self.prepare_train(request) as job:
             return self.apply_train(job, context)
 
-    def prepare_train(self, request: pb.TrainRequest, address: int | None = None) -> TrainJob:
+    def prepare_train(self, request: pb.TrainRequest) -> TrainJob:
         """A train request's checks and its copy towards the device, which run before the
-        apply lock, beside the step that holds it (``address``: where the request's bytes
-        lie, when it was parsed in place)."""
-        plans = self._plans   # the learner and its plans, read together
-        learner = plans.learner or self.learner   # NotServing before attach
-        layout = getattr(request, "layout", None)
-        plan = plans.get(layout)
-        if plan is not None:
-            return self._prepare_planned(learner, plan, request.key, request.view, address)
+        apply lock, beside the step that holds it."""
+        learner = self.learner   # NotServing before attach
         self._check_train_key(request.key)
-        batch, offsets = _decode(request, bool(learner.backend.feature_dtypes))
-        prepared = learner.prepare(_placed(batch, offsets, address))
-        plans.learn(layout, batch, prepared.batch, offsets)
-        return TrainJob(learner, request.key, prepared)
-
-    def _prepare_planned(self, learner: Learner, plan: RequestPlan, key: pb.RequestKey, data,
-                         address: int | None) -> TrainJob:
-        """:meth:`prepare_train` of a request of a layout seen before (server/plans.py) by
-        the ``learner`` whose plan it is."""
-        self._check_train_key(key)
-        return TrainJob(learner, key,
-                        learner.prepare(plan.batch(data, address), shapes_checked=True))
+        batch = decode_batch(request, keep_16bit=bool(learner.backend.feature_dtypes))
+        return TrainJob(learner, request.key, learner.prepare(batch))
 
     def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None, *,
                     encoded: bool = False) -> pb.TrainResponse | EncodedTrainResponse:
@@ -511,33 +417,20 @@ class LearnerService(pb_grpc.LearnerServicer):
             return response
         return self._keyed(job.key, pb.TrainResponse, apply, context)
 
-    def relay_prepare(self, data: memoryview, unary: bool,
-                      address: int | None = None) -> TrainJob:
-        """:meth:`prepare_train` of a relayed TrainStep/TrainStream request's bytes
-        (server/relay.py), which lie at host ``address`` when known.
-
-        Bytes that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
-        plans = self._plans
-        layout = known_layout(data)
-        plan = plans.get(layout)
-        if plan is not None:   # the framing of a layout seen before: no parse, no decode
-            key = layout.read_key(data)
-            if key is not None:
-                return self._prepare_planned(plans.learner, plan, key, data, address)
+    def relay_prepare(self, data: memoryview, unary: bool) -> TrainJob:
+        """:meth:`prepare_train` of a relayed TrainStep/TrainStream request's bytes.  Bytes
+        that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
         try:
             request = train_request_deserializer(data)
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
             raise InvalidArgument("request", undecodable("TrainStep" if unary else "TrainStream",
                                                          exc)) from None
-        return self.prepare_train(request, address)
+        return self.prepare_train(request)
 
-    def relay_prepare_packed(self, payload: bytes, data: memoryview,
-                             address: int) -> TrainJob:
-        """:meth:`prepare_train` of a relayed request that a front process packed
-        (server/packing.py): ``payload`` is its descriptor and key, ``data`` the slot that
-        holds its arrays, at host ``address``."""
-        learner = self._plans.learner or self.learner   # NotServing before attach
-        packed, key_bytes = read_packed(payload, data, address)
+    def relay_prepare_packed(self, packed: PackedBatch, key_bytes: bytes) -> TrainJob:
+        """:meth:`prepare_train` of a relayed request that a front process packed: its
+        arrays in the packed layout, and its key's wire bytes."""
+        learner = self.learner   # NotServing before attach
         key = pb.RequestKey.FromString(key_bytes)   # the front parsed it
         self._check_train_key(key)
         return TrainJob(learner, key, learner.prepare_packed(packed), key_bytes)

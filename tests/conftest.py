@@ -7,9 +7,10 @@ import socket
 import numpy as np
 import pytest
 
-from duelq.server.batch import Batch
-from duelq.server.config import LearnerConfig
-from duelq.server.server import LearnerServer, ServerOptions, start_server
+from duelq.server.core.batch import Batch
+from duelq.server.core.config import LearnerConfig
+from duelq.server.fronts import start_server
+from duelq.server.server import LearnerServer, ServerOptions
 
 #: Small sizes keep the suite fast; H and N still differ from every batch size used.
 SMALL = LearnerConfig(hidden_dim=16, n_actions=5, lr=1e-3, step_entropy_slot="action_entropy_ema")

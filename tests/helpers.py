@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from duelq.server import Batch, LearnerConfig
+from duelq.server.core import Batch, LearnerConfig
 
 
 def random_batch(rng: np.random.Generator, B: int, H: int, N: int, *,

@@ -19,16 +19,17 @@ import pytest
 import safetensors
 
 from duelq.client import LearnerClient
-from duelq.server import checkpoint, cli
-from duelq.server.batch import Batch
-from duelq.server.checkpoint import (CheckpointError, CheckpointPolicy, CheckpointWriter,
+from duelq.apps import cli
+from duelq.server.core import checkpoint
+from duelq.server.core.batch import Batch
+from duelq.server.core.checkpoint import (CheckpointError, CheckpointPolicy, CheckpointWriter,
                                      TUNABLE_FIELDS, checkpoint_name, load_checkpoint,
                                      load_latest, read_checkpoint, read_latest,
                                      save_checkpoint)
-from duelq.server.config import LearnerConfig
-from duelq.server.errors import InvalidArgument
-from duelq.server.learner import Learner
-from duelq.server.state import LearnerState
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.errors import InvalidArgument
+from duelq.server.core.learner import Learner
+from duelq.server.core.state import LearnerState
 
 from conftest import SMALL, random_batch
 
@@ -134,8 +135,8 @@ def test_killed_writer_leaves_a_stray_temp_that_is_ignored_then_cleaned(tmp_path
     save_checkpoint(tmp_path, state, CONFIG)
     child = textwrap.dedent(f"""
         import os, signal, sys
-        from duelq.server.checkpoint import save_checkpoint
-        from duelq.server.learner import Learner
+        from duelq.server.core.checkpoint import save_checkpoint
+        from duelq.server.core.learner import Learner
         from test_checkpoint import CONFIG, batches
         learner = Learner(CONFIG, backend="reference")
         for batch in batches(5):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from duelq.server.cli import main, setup_logging
+from duelq.apps.cli import main, setup_logging
 from duelq.server.server import LearnerServer, ServerOptions
 
 
@@ -33,7 +33,7 @@ def test_json_log_lines(capsys):
     assert line["message"] == "hello world"
     assert line["level"] == "INFO" and line["name"] == "duelq.test" and "time" in line
     assert "process" not in line
-    setup_logging("INFO", "json", role="learner")   # --front-process's learner process
+    setup_logging("INFO", "json", role="learner")   # --front-processes' learner process
     logging.getLogger("duelq.test").info("tagged")
     assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["process"] == "learner"
     setup_logging("INFO", "text", role="learner")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from duelq.client import LearnerClient, errors
-from duelq.client.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
-from duelq.server.learner import Learner
+from duelq.wire.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.learner import Learner
 
 from conftest import SMALL, random_batch
 
@@ -82,7 +83,9 @@ def test_act_weights_isv_entropy_and_info_match_the_local_learner(client, local,
     assert [v.slot for v in client.read_isv()] == [420, 583]
 
     info = client.info()
-    assert (info.backend, info.config, info.step, info.version) == ("reference", SMALL, 1, 1)
+    assert (info.backend, LearnerConfig.from_dict(info.config), info.step, info.version) == (
+        "reference", SMALL, 1, 1)
+    assert (info.hidden_dim, info.n_actions) == (SMALL.hidden_dim, SMALL.n_actions)
     with pytest.raises(errors.FailedPrecondition, match="--checkpoint-dir"):
         client.save_checkpoint()
 

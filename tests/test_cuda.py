@@ -16,12 +16,12 @@ import zlib
 import numpy as np
 import pytest
 
-from duelq.server import reference
-from duelq.server.batch import Batch
-from duelq.server.config import LearnerConfig
-from duelq.server.errors import InvalidArgument, NonFiniteStep
-from duelq.server.learner import Learner, cuda_usable
-from duelq.server.state import LearnerState, Params
+from duelq.server.core import reference
+from duelq.server.core.batch import Batch, PackedBatch
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.errors import InvalidArgument, NonFiniteStep
+from duelq.server.core.learner import Learner, cuda_usable
+from duelq.server.core.state import LearnerState, Params
 
 USABLE, WHY = cuda_usable()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not USABLE, reason=f"no usable GPU: {WHY}")]
@@ -30,28 +30,11 @@ SLOT = "action_entropy_ema"
 GROUPS = ("params", "target", "adam_m", "adam_v")
 
 
-def native_or_why() -> str:
-    """"" where server/native.c builds and loads here, else why not."""
-    from duelq.server.native import NativeUnavailable, load
-    try:
-        load()
-    except NativeUnavailable as exc:
-        return str(exc)
-    return ""
-
-
-NATIVE_WHY = native_or_why() if USABLE else ""
-#: The step's host calls from C (server/native.c), compared with the same from Python.
-HOST_PATHS = [pytest.param(True, id="native", marks=pytest.mark.skipif(
-    bool(NATIVE_WHY), reason=f"server/native.c unusable: {NATIVE_WHY}")),
-    pytest.param(False, id="python")]
-
-
-def cuda_backend(config: LearnerConfig, state: LearnerState | None = None,
-                 native: bool | None = None):
-    from duelq.server.cuda import CudaBackend
-    return CudaBackend(config, state if state is not None else LearnerState.initial(config),
-                       native=native)
+def cuda_backend(config: LearnerConfig, state: LearnerState | None = None):
+    """A CudaBackend from ``state`` (default: the config's initial one); its host calls are
+    server/core/native.c's."""
+    from duelq.server.core.cuda import CudaBackend
+    return CudaBackend(config, state if state is not None else LearnerState.initial(config))
 
 
 def poison(backend, batch_size: int = 0) -> None:
@@ -582,23 +565,22 @@ def test_16_bit_features_widened_on_the_device_match_float32(dtype, B, H):
 
 
 def test_the_relay_keeps_no_more_jobs_than_there_are_upload_slots():
-    from duelq.server import cuda, relay
+    from duelq.server.core import cuda
+    from duelq.server.fronts import relay
     assert relay.AHEAD + 1 <= cuda.UPLOAD_SLOTS
 
 
-@pytest.mark.parametrize("native", HOST_PATHS)
-def test_uploaded_batches_step_exactly_like_staged_ones(native):
+def test_uploaded_batches_step_exactly_like_staged_ones():
     """Batches sent ahead with prepare() (more than there are upload slots, one never
-    stepped) give bit for bit what the same batches give staged at their step, on either
-    host path against the Python one."""
+    stepped) give bit for bit what the same batches give stepped one at a time."""
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     rng = np.random.default_rng(12)
     start = random_state(config, rng, 0)
     batches = [random_batch(rng, B, config, start, w)
                for B, w in ((1024, True), (31, False), (4096, True), (1024, True), (7, False))]
-    plain = Learner(config, backend=cuda_backend(config, start, native=False))
+    plain = Learner(config, backend=cuda_backend(config, start))
     want = [plain.step(b) for b in batches]
-    ahead = Learner(config, backend=cuda_backend(config, start, native=native))
+    ahead = Learner(config, backend=cuda_backend(config, start))
     prepared = [ahead.prepare(b) for b in batches]
     assert sum(p.upload is not None for p in prepared) == 3  # the slots, then staged at step
     with ahead.prepare(batches[0]):  # sent ahead and never stepped: its slot comes back
@@ -611,151 +593,105 @@ def test_uploaded_batches_step_exactly_like_staged_ones(native):
     assert sum(ahead.prepare(b).upload is not None for b in batches[:3]) == 3  # all came back
 
 
-@pytest.mark.parametrize("native", HOST_PATHS)
+def pack_request(data: bytes, slot: np.ndarray, packer=None) -> tuple[PackedBatch, bytes]:
+    """(the packed batch, its key's bytes) of request ``data`` written into ``slot`` (uint8)
+    by the front's Packer and read back as the learner reads a PACKED frame."""
+    from duelq.server.fronts.packing import Packer, read_packed
+    descriptor = (packer if packer is not None else Packer()).pack(data, slot)
+    assert descriptor is not None
+    return read_packed(descriptor, slot.data, slot.ctypes.data)
+
+
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_requests_in_registered_memory_are_unpacked_on_the_device_and_step_alike(wire, native):
-    """Requests read in place from a page-locked pool (the front process's slots, at odd
-    offsets) are copied to the device as they are and unpacked there: the unpacked inputs
-    are bit for bit what the host packs (kernels/unpack_batch.cu against _Staging.pack),
-    and the steps are bit-identical to the same batches packed the usual way.  Spans the
-    kernel cannot take (outside the pool; 16-bit features ending mid-word) are packed."""
+def test_packed_batches_copied_from_pinned_memory_step_as_unpacked_ones(wire):
+    """Packed batches (server/fronts/packing.py) copied to the device from where they lie:
+    in a pool page-locked with backend.pin (at odd offsets) or in pageable memory outside
+    it.  The device's words are bit for bit what the host packs of the decoded batch
+    (_Staging.pack), and the steps are bit-identical to the same batches unpacked."""
     from duelq.client import encode_batch
-    from duelq.server.cuda import _Staging
+    from duelq.server.core.cuda import _Staging
+    from duelq.server.framing import parse_train_request
     from duelq.server.service import decode_batch
-    from duelq.server.wire import parse_train_request
     rng = np.random.default_rng(21)
     pool = np.zeros(8 << 20, np.uint8)
     outside = np.zeros(1 << 20, np.uint8)
     for H in (128, 127):
         config = LearnerConfig(hidden_dim=H, n_actions=11, step_entropy_slot=SLOT)
         start = random_state(config, rng, 0)
-        plain = Learner(config, backend=cuda_backend(config, start, native=False))
-        direct = Learner(config, backend=cuda_backend(config, start, native=native))
-        direct.backend.register_host(pool)
+        plain = Learner(config, backend=cuda_backend(config, start))
+        direct = Learner(config, backend=cuda_backend(config, start))
+        direct.backend.pin(pool)
         try:
             for B, weights, offset, region in ((1024, True, 3, pool), (31, False, 1 << 20, pool),
                                                (4096, True, 7, pool), (1, True, 2, pool),
                                                (33, True, 1, outside)):
                 data = encode_batch(random_batch(rng, B, config, start, weights),
                                     feature_dtype=wire).SerializeToString()
-                region[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
-                in_place = decode_batch(
-                    parse_train_request(region.data[offset:offset + len(data)]),
-                    keep_16bit=True, address=region.ctypes.data + offset)
-                with direct.prepare(in_place) as prepared:
-                    assert prepared.batch.span == in_place.span is not None
-                    unpacked = direct.backend._unpackable(prepared.batch)
-                    assert unpacked == (region is pool and (wire == "float32" or B * H % 2 == 0))
-                    if unpacked:
-                        prepared.upload.slot.copied.synchronize()
-                        host = _Staging()
-                        words = host.pack(prepared.batch)
-                        device = prepared.upload.slot.staging.device[:words].get()
-                        assert device.tobytes() == host.host[:words].tobytes()
+                decoded = decode_batch(parse_train_request(data), keep_16bit=True)
+                packed, _ = pack_request(data, region[offset:])
+                with direct.prepare_packed(packed) as prepared:
+                    assert prepared.batch is packed and prepared.upload is not None
+                    prepared.upload.slot.copied.synchronize()
+                    host = _Staging()
+                    words = host.pack(decoded)
+                    assert words == packed.words
+                    device = prepared.upload.slot.staging.device[:words].get()
+                    assert device.tobytes() == host.host[:words].tobytes()
                     got = direct.step(prepared)
-                want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
+                want = plain.step(decoded)
                 assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
                                                                   want.entropy)
                 assert got.td_errors.tobytes() == want.td_errors.tobytes()
             assert direct.snapshot().checksum() == plain.snapshot().checksum()
         finally:
-            direct.backend.unregister_host(pool)
-        assert not direct.backend._registered
+            direct.backend.unpin(pool)
+        assert not direct.backend._pinned
 
 
 @contextlib.contextmanager
-def relayed_learners(config: LearnerConfig, start: LearnerState, native: bool, pool_bytes: int):
+def relayed_learners(config: LearnerConfig, start: LearnerState, pool_bytes: int):
     """(plain, relayed, service, pool): two cuda learners from ``start``, the second behind a
     service, as the front process's learner is, with a page-locked pool of ``pool_bytes``
     for requests (the first steps decoded batches, to compare with)."""
     from duelq.server.service import LearnerService, Limits
-    plain = Learner(config, backend=cuda_backend(config, start, native=False))
-    relayed = Learner(config, backend=cuda_backend(config, start, native=native))
+    plain = Learner(config, backend=cuda_backend(config, start))
+    relayed = Learner(config, backend=cuda_backend(config, start))
     service = LearnerService(Limits(1 << 26, 1 << 16, 4))
     service.attach(relayed)
     pool = np.zeros(pool_bytes, np.uint8)
-    relayed.backend.register_host(pool)
+    relayed.backend.pin(pool)
     try:
         yield plain, relayed, service, pool
     finally:
-        relayed.backend.unregister_host(pool)
+        relayed.backend.unpin(pool)
 
 
-@pytest.mark.parametrize("native", HOST_PATHS)
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_relayed_requests_of_known_layouts_step_as_decoded_ones(wire, native):
-    """The front process's path on cuda: requests in a page-locked pool, planned once their
-    layout is known (server/plans.py), unpacked on the device with each upload slot's
-    arguments kept between requests of one layout.  Layouts alternate so that every upload
-    slot sees a 7-segment request (weights) followed by a 6-segment one and back, and
-    repeats of one layout; every step is bit-identical to a learner fed the decoded batch."""
+def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
+    """The front's packed requests (server/fronts/packing.py) on cuda: a slot's words go to
+    the device as they are, bit for bit what the host packs (_Staging.pack).  Packed and
+    unpacked requests take turns in the upload slots (an unpacked one is packed into its
+    slot's pinned host buffer, a packed one copied from where it lies); packed requests
+    beyond the upload slots are staged at their step.  Every step is bit-identical to a
+    learner fed the decoded batch, and a packed batch's bad value is found by the kernel
+    and named by the host."""
     from duelq.client import encode_batch
+    from duelq.server.core.cuda import UPLOAD_SLOTS, _Staging
+    from duelq.server.fronts.packing import Packer
+    from duelq.server.framing import parse_train_request
     from duelq.server.service import decode_batch
-    from duelq.server.wire import known_layout, parse_train_request
-    rng = np.random.default_rng(22)
-    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
-    start = random_state(config, rng, 0)
-    with relayed_learners(config, start, native, 8 << 20) as (plain, relayed, service, pool):
-        # (B, weights): 3 upload slots, so slot i % 3 takes request i.
-        for i, (B, weights) in enumerate([(1024, True), (1024, False), (64, True)] * 3
-                                          + [(1024, False), (1024, True)] * 3):
-            data = encode_batch(random_batch(rng, B, config, start, weights),
-                                feature_dtype=wire).SerializeToString()
-            offset = 1 + (i % 4) * (2 << 20)
-            pool[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
-            planned = service._plans.get(known_layout(data)) is not None
-            assert planned == (i >= 3)
-            with service.relay_prepare(pool.data[offset:offset + len(data)], False,
-                                       pool.ctypes.data + offset) as job:
-                assert job.prepared.upload is not None and job.prepared.batch.span is not None
-                got = relayed.step(job.prepared)
-            want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
-            assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
-                                                              want.entropy), i
-            assert got.td_errors.tobytes() == want.td_errors.tobytes(), i
-        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
-        # A planned request with a bad value: the kernel finds it, the host names it.
-        bad = random_batch(rng, 1024, config, start, True)
-        bad.rewards[700] = np.nan
-        data = encode_batch(bad, feature_dtype=wire).SerializeToString()
-        assert service._plans.get(known_layout(data)) is not None
-        pool[1:1 + len(data)] = np.frombuffer(data, np.uint8)
-        with pytest.raises(InvalidArgument, match="rewards.*index 700"):
-            with service.relay_prepare(pool.data[1:1 + len(data)], False,
-                                       pool.ctypes.data + 1) as job:
-                relayed.step(job.prepared)
-        assert relayed.snapshot().checksum() == plain.snapshot().checksum()
-
-
-@pytest.mark.parametrize("native", HOST_PATHS)
-@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
-    """The front's packed requests (server/packing.py) on cuda: a slot's words go to the
-    device as they are, bit for bit what the host packs (_Staging.pack).  Packed and
-    unpacked requests take turns in the upload slots (an unpack after a packed copy fills
-    its arguments in anew); packed requests beyond the upload slots are staged at their
-    step.  Every step is bit-identical to a learner fed the decoded batch, and a packed
-    batch's bad value is found by the kernel and named by the host."""
-    from duelq.client import encode_batch
-    from duelq.server.cuda import UPLOAD_SLOTS, _Staging
-    from duelq.server.packing import Packer
-    from duelq.server.service import decode_batch
-    from duelq.server.wire import parse_train_request
     rng = np.random.default_rng(23)
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     start = random_state(config, rng, 0)
     packer, size = Packer(), 4 << 20
-    with relayed_learners(config, start, native, 8 * size) as (plain, relayed, service, pool):
+    with relayed_learners(config, start, 8 * size) as (plain, relayed, service, pool):
         def prepare(i: int, data: bytes, packed: bool):
             at = (i % 8) * size
-            if not packed:   # at an odd offset, as the front writes it
+            if not packed:   # at an odd offset
                 pool[at + 1:at + 1 + len(data)] = np.frombuffer(data, np.uint8)
-                return service.relay_prepare(pool.data[at + 1:at + 1 + len(data)], False,
-                                             pool.ctypes.data + at + 1)
-            descriptor = packer.pack(data, pool[at:at + size])
-            assert descriptor is not None
-            return service.relay_prepare_packed(descriptor, pool.data[at:at + size],
-                                                pool.ctypes.data + at)
+                return service.relay_prepare(pool.data[at + 1:at + 1 + len(data)], False)
+            return service.relay_prepare_packed(*pack_request(data, pool[at:at + size],
+                                                              packer))
 
         def want(data: bytes):
             return plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
@@ -766,7 +702,7 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
             assert got.td_errors.tobytes() == wanted.td_errors.tobytes(), i
 
         # Each slot's turn: mixed kinds, then unpacked 64 rows, packed 3072 (the staging
-        # buffers grow and move) and 64 unpacked again, whose arguments must be filled anew.
+        # buffers grow and move) and 64 unpacked again, packed anew on the host.
         for i, (B, weights, packed) in enumerate([(1024, True, True), (1024, False, False),
                                                   (64, True, True)] * 3
                                                  + [(1024, True, False), (31, False, True)] * 2
@@ -778,7 +714,7 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
             with prepare(i, data, packed) as job:
                 upload = job.prepared.upload
                 assert upload is not None
-                assert (type(job.prepared.batch).__name__ == "PackedBatch") == packed
+                assert (type(job.prepared.batch) is PackedBatch) == packed
                 if packed:
                     upload.slot.copied.synchronize()
                     host = _Staging()
@@ -810,18 +746,15 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire, native):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-@pytest.mark.parametrize("native", HOST_PATHS)
-def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
-        native, packed, monkeypatch):
-    """Each upload slot keeps its unpack arguments between requests of one layout.  A request
-    of a new layout (or a packed one) whose upload fails part way (the device out of memory
-    as the slot's staging buffer grows) must not leave that slot with half of the new
-    layout's arguments under the old layout's name: the requests of the old layout after it
-    still step exactly as decoded ones."""
+def test_an_upload_failing_part_way_gives_its_slot_back_whole(packed, monkeypatch):
+    """A request whose upload fails part way (the device out of memory as the slot's
+    staging buffer grows, for a larger request, unpacked or packed) gives its slot back fit
+    for use: every upload slot can still be taken at once, and the requests after it
+    (the failed slot's among them) step exactly as decoded ones."""
     from duelq.client import encode_batch
-    from duelq.server import cuda
+    from duelq.server.core import cuda
+    from duelq.server.framing import parse_train_request
     from duelq.server.service import decode_batch
-    from duelq.server.wire import parse_train_request
     rng = np.random.default_rng(23)
     config = LearnerConfig(hidden_dim=64, n_actions=5)
     start = random_state(config, rng, 0)
@@ -835,68 +768,71 @@ def test_an_upload_failing_on_a_new_layout_leaves_its_slot_to_be_filled_in_anew(
         return grow(staging, words)
     monkeypatch.setattr(cuda._Staging, "reserve_device", reserve_device)
 
+    def same(got, want) -> None:
+        assert got.td_errors.tobytes() == want.td_errors.tobytes()
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+
     def step(B: int, weights: bool) -> None:
         data = encode_batch(random_batch(rng, B, config, start, weights)).SerializeToString()
         pool[1:1 + len(data)] = np.frombuffer(data, np.uint8)
-        with service.relay_prepare(pool.data[1:1 + len(data)], False,
-                                   pool.ctypes.data + 1) as job:
+        with service.relay_prepare(pool.data[1:1 + len(data)], False) as job:
             got = relayed.step(job.prepared)
-        want = plain.step(decode_batch(parse_train_request(data)))
-        assert got.td_errors.tobytes() == want.td_errors.tobytes()
-        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
-    with relayed_learners(config, start, native, 4 << 20) as (plain, relayed, service, pool):
-        for _ in range(cuda.UPLOAD_SLOTS):   # every slot filled in for 64 rows, no weights
+        same(got, plain.step(decode_batch(parse_train_request(data))))
+    with relayed_learners(config, start, 4 << 20) as (plain, relayed, service, pool):
+        for _ in range(cuda.UPLOAD_SLOTS):   # every slot's buffers sized for 64 rows
             step(64, False)
         bigger = encode_batch(random_batch(rng, 512, config, start, True)).SerializeToString()
         fail.append(True)
         with pytest.raises(RuntimeError, match="the test's"):
             if packed:
-                from duelq.server.packing import Packer
-                descriptor = Packer().pack(bigger, pool)
-                service.relay_prepare_packed(descriptor, pool.data, pool.ctypes.data)
+                service.relay_prepare_packed(*pack_request(bigger, pool))
             else:
                 pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
-                service.relay_prepare(pool.data[1:1 + len(bigger)], False,
-                                      pool.ctypes.data + 1)
+                service.relay_prepare(pool.data[1:1 + len(bigger)], False)
         assert not fail   # the failure came from the slot's staging buffer
+        batches = [random_batch(rng, 64, config, start, True)
+                   for _ in range(cuda.UPLOAD_SLOTS)]
+        ahead = [relayed.prepare(b) for b in batches]
+        assert all(p.upload is not None for p in ahead)   # the failed slot came back
+        for p, b in zip(ahead, batches):
+            same(relayed.step(p), plain.step(b))
         for _ in range(2 * cuda.UPLOAD_SLOTS):   # the failed slot among them
             step(64, False)
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
 
 
-@pytest.mark.parametrize("native", HOST_PATHS)
-@pytest.mark.parametrize("registered", [True, False], ids=["unpacked", "packed"])
-def test_a_step_waits_for_its_upload(native, registered):
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_step_waits_for_its_upload(packed):
     """The upload stream held back by a spinning kernel (≈ 0.1 s) while a request is
-    prepared: its copy has not finished when its step is enqueued, so a step that did not
-    wait for it, or an upload that recorded no event, would read stale inputs.  The steps
-    stay bit-identical to a learner fed the decoded batches."""
+    prepared (unpacked: packed into its slot's host buffer; packed: copied from a pinned
+    pool as it lies): its copy has not finished when its step is enqueued, so a step that
+    did not wait for it, or an upload that recorded no event, would read stale inputs.  The
+    steps stay bit-identical to a learner fed the decoded batches."""
     import cupy as cp
     from duelq.client import encode_batch
+    from duelq.server.framing import parse_train_request
     from duelq.server.service import decode_batch
-    from duelq.server.wire import parse_train_request
     spin = cp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
         long long start = clock64(); while (clock64() - start < cycles) {} }""", "spin")
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     rng = np.random.default_rng(5)
     start = random_state(config, rng, 0)
-    plain = Learner(config, backend=cuda_backend(config, start, native=False))
-    gated = Learner(config, backend=cuda_backend(config, start, native=native))
+    plain = Learner(config, backend=cuda_backend(config, start))
+    gated = Learner(config, backend=cuda_backend(config, start))
     pool = np.zeros(8 << 20, np.uint8)
-    if registered:
-        gated.backend.register_host(pool)
+    if packed:
+        gated.backend.pin(pool)
     try:
         for i in range(4):   # one more than there are upload slots
             data = encode_batch(random_batch(rng, 1024, config, start, True)
                                 ).SerializeToString()
             want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
-            pool[3:3 + len(data)] = np.frombuffer(data, np.uint8)
-            in_place = decode_batch(parse_train_request(pool.data[3:3 + len(data)]),
-                                    keep_16bit=True, address=pool.ctypes.data + 3)
+            batch = (pack_request(data, pool[3:])[0] if packed
+                     else decode_batch(parse_train_request(data), keep_16bit=True))
             with gated.backend._upload_stream:
                 spin((1,), (1,), (np.int64(2 * 10**8),))
-            prepared = gated.prepare(in_place)
-            assert gated.backend._unpackable(prepared.batch) == registered
+            prepared = gated.prepare_packed(batch) if packed else gated.prepare(batch)
+            assert (type(prepared.batch) is PackedBatch) == packed
             assert prepared.upload is not None and not prepared.upload.slot.copied.done
             got = gated.step(prepared)
             assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
@@ -904,21 +840,18 @@ def test_a_step_waits_for_its_upload(native, registered):
             assert got.td_errors.tobytes() == want.td_errors.tobytes(), i
         assert gated.snapshot().checksum() == plain.snapshot().checksum()
     finally:
-        if registered:
-            gated.backend.unregister_host(pool)
+        if packed:
+            gated.backend.unpin(pool)
 
 
-def test_without_a_compiler_the_host_calls_run_from_python(monkeypatch, tmp_path, caplog):
-    """native=None falls back to Python with a warning that says why; native=True refuses."""
-    from duelq.server.native import NativeUnavailable
+def test_without_a_compiler_the_backend_refuses_to_start(monkeypatch, tmp_path):
+    """The step's host calls are server/core/native.c's alone: where it cannot be built the
+    backend raises NativeUnavailable saying why."""
+    from duelq.server.core.native import NativeUnavailable
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("DUELQ_CACHE_DIR", str(tmp_path))
-    config = LearnerConfig(hidden_dim=32, n_actions=4)
-    with caplog.at_level("WARNING", logger="duelq.server.cuda"):
-        assert cuda_backend(config).host_path == "python"
-    assert "false failed on native.c" in caplog.text
     with pytest.raises(NativeUnavailable, match="false failed on native.c"):
-        cuda_backend(config, native=True)
+        cuda_backend(LearnerConfig(hidden_dim=32, n_actions=4))
 
 
 def test_learner_auto_picks_cuda():
@@ -930,61 +863,3 @@ def test_learner_auto_picks_cuda():
     _, want = reference.train_step(LearnerState.initial(config), batch, config, np.float64)
     assert result.step == 1
     assert_scalar("loss", result.loss, want.loss)
-
-
-@pytest.mark.skipif(bool(NATIVE_WHY), reason=f"server/native.c unusable: {NATIVE_WHY}")
-def test_the_relays_fast_lane_answers_as_the_python_relay_does():
-    """The relay with its lane's CUDA engine (server/lane.c) against the relay without it,
-    both on cuda from one state: every answer byte-equal (replays and refusals included),
-    the same state and replay records.  The script has new and known actors, a repeat, an
-    unary rpc, an expired deadline, a NaN the kernel finds (handed back, stepped again and
-    refused by the relay), float32/16-bit features, batches with and without weights, and
-    sizes that make the lane's buffers grow, then long streams the lane takes."""
-    import time
-
-    from duelq.client.client import encode_batch_wire
-    from duelq.server.idempotency import ReplayGuard
-    from duelq.server.service import LearnerService, Limits
-    from test_lane import Relay
-    rng = np.random.default_rng(31)
-    config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
-    start = random_state(config, rng, 0)
-
-    def request(B: int, actor: str = "", seq: int = 0, wire: str = "float32",
-                weights: bool = True, nan: bool = False) -> bytes:
-        batch = random_batch(rng, B, config, start, weights)
-        if nan:
-            batch.rewards[B // 2] = np.nan
-        return encode_batch_wire(batch, feature_dtype=wire, actor_id=actor, seq=seq)
-    script = [
-        (0, [request(1024, "a", s) for s in (1, 2, 3)], {}),
-        (1, [request(1024, weights=False), request(64), request(1024, wire="bfloat16")], {}),
-        (0, [request(3072, "a", 4), request(1024, "a", 2), request(1024, "a", 5)], {}),
-        (1, [request(1024, "b", 1, "float16"), request(1024, "b", 2, "float16", nan=True),
-             request(1024, "b", 3, "float16")], {}),
-        (0, [request(1024, "c", 1)], {"unary": True}),
-        (1, [request(1024, "d", 1)], {"deadline": time.monotonic() - 1}),
-        (0, [request(1024, "a", s, weights=s % 3 > 0) for s in range(6, 46)], {}),
-        (1, [request(1024, wire="bfloat16") for _ in range(12)], {}),
-    ]
-    answers, sums, guards, lanes = [], [], [], []
-    for lane in (None, "cuda"):
-        service = LearnerService(Limits(1 << 26, 1 << 16, 8),
-                                 replay=ReplayGuard(capacity=256, window=256))
-        service.attach(Learner(config, backend=cuda_backend(config, start, native=True)))
-        relay = Relay(service, lane=lane, slot_bytes=4 << 20)
-        try:
-            answers.append([relay.run(front, requests, **opened)
-                            for front, requests, opened in script])
-        finally:
-            relay.close()
-        sums.append(service.learner.snapshot().checksum())
-        guards.append(service.snapshot()[1]["replay"])
-        lanes.append(relay.lane)
-    plain, laned = answers
-    assert laned == plain
-    codes = [code.name for stream in plain for code, _ in stream]
-    assert codes.count("OK") == 3 + 3 + 3 + 1 + 1 + 40 + 12
-    assert {"INVALID_ARGUMENT", "DEADLINE_EXCEEDED"} <= set(codes)
-    assert sums[0] == sums[1] and guards[0] == guards[1]
-    assert lanes[1].answers >= 30, (lanes[1].answers, lanes[1].handovers)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import re
 import signal
@@ -14,9 +13,10 @@ import time
 import pytest
 
 from duelq.client import LearnerClient
-from duelq.server import cli
-from duelq.server.config import LearnerConfig
-from duelq.server.server import LearnerServer, ServerOptions, make_server
+from duelq.apps import cli
+from duelq.server.core.config import LearnerConfig
+from duelq.server.fronts import make_server
+from duelq.server.server import LearnerServer, ServerOptions
 
 from conftest import SMALL
 
@@ -46,18 +46,15 @@ def test_flags_read_environment_variables_and_the_command_line_wins(monkeypatch)
     assert (config.double_dqn, config.isv_slots, config.lr) == (True, {"a": 1, "b": 2}, 0.5)
 
 
-def test_front_processes_without_the_front_process_serve_from_one_process(monkeypatch, caplog):
-    """The Docker image's DUELQ_FRONT_PROCESSES=8 with its front process turned off (its
-    DUELQ_FRONT_PROCESS=0 or --no-front-process): one process, and a warning says so."""
-    monkeypatch.setenv("DUELQ_FRONT_PROCESS", "1")
+def test_front_processes_zero_serves_from_one_process(monkeypatch):
+    """DUELQ_FRONT_PROCESSES=0 (or --front-processes 0) serves gRPC from the learner's own
+    process; the flag wins over the variable."""
     monkeypatch.setenv("DUELQ_FRONT_PROCESSES", "8")
-    args = cli.build_parser().parse_args(["serve", "--no-front-process"])
+    args = cli.build_parser().parse_args(["serve", "--front-processes", "0"])
     options = cli.from_args(ServerOptions, args)
-    assert (options.front_process, options.front_processes) == (False, 8)
-    with caplog.at_level(logging.WARNING, logger="duelq.server.server"):
-        server = make_server(dataclasses.replace(options, port=0))
+    assert options.front_processes == 0
+    server = make_server(dataclasses.replace(options, port=0))
     assert type(server) is LearnerServer
-    assert "front_processes=8 is ignored: front_process is off" in caplog.text
 
 
 @pytest.mark.parametrize("argv, env, message", [
@@ -66,7 +63,6 @@ def test_front_processes_without_the_front_process_serve_from_one_process(monkey
     (["serve"], {"DUELQ_PORT": "http"}, "DUELQ_PORT='http'"),
     (["serve"], {"DUELQ_BACKEND": "gpu"}, "DUELQ_BACKEND='gpu': must be one of"),
     (["serve"], {"DUELQ_DOUBLE_DQN": "maybe"}, "DUELQ_DOUBLE_DQN"),
-    (["serve", "--host-calls", "fast"], {}, "--host-calls: must be one of ('auto', 'native'"),
     (["demo", "--actors", "0"], {}, "--actors: must be ≥ 1"),
     (["--log-level", "LOUD", "serve"], {}, "unknown level"),
 ])
@@ -112,7 +108,7 @@ def test_demo_against_a_dead_server_exits_1(dead_target, capsys):
 
 def _serve(*argv: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "duelq.server.cli", "serve", *argv],
+    return subprocess.Popen([sys.executable, "-m", "duelq.apps.cli", "serve", *argv],
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -137,7 +133,7 @@ def test_serve_runs_until_sigterm_and_refuses_a_busy_port():
         _wait_for(server, r"serving duelq\.v1\.Learner: backend reference")
         with LearnerClient(f"127.0.0.1:{port}") as client:
             client.wait_ready(timeout=10)
-            assert client.info().config.hidden_dim == 8
+            assert client.info().hidden_dim == 8
 
         busy = _serve("--port", str(port), "--backend", "reference")
         assert busy.wait(30) == cli.EXIT_FAILURE

@@ -58,8 +58,8 @@ def test_structure(parsed):
     env = parser.envs
     assert {env["DUELQ_PORT"], env["DUELQ_METRICS_PORT"]} <= set(dict(steps)["EXPOSE"].split())
     assert env["DUELQ_HOST"] == "0.0.0.0" and env["CUPY_CACHE_DIR"].startswith("/home/")
-    # the server model measured fastest on a GPU host (docs/benchmarks.md, round 14)
-    assert env["DUELQ_FRONT_PROCESS"] == "1" and int(env["DUELQ_FRONT_PROCESSES"]) > 1
+    # the server model measured fastest on a GPU host (docs/benchmarks.md)
+    assert int(env["DUELQ_FRONT_PROCESSES"]) > 1
 
 
 def free_port() -> int:

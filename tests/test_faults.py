@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 
 from duelq.client import LearnerClient, encode_batch
-from duelq.server.checkpoint import read_latest
-from duelq.server.learner import Learner
-from duelq.server.state import LearnerState
+from duelq.server.core.checkpoint import read_latest
+from duelq.server.core.learner import Learner
+from duelq.server.core.state import LearnerState
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -56,11 +56,11 @@ class Served:
     def __init__(self, port: int, *flags: str):
         # Serving once the public server says so: with --front-process, the learner process
         # says "serving" before the front has its relay.
-        self._serving = ("serving duelq.v1.Learner from " if "--front-process" in flags
+        self._serving = ("serving duelq.v1.Learner from " if "--front-processes" in flags
                          else "serving duelq.v1.Learner")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "duelq.server.cli", "serve", "--port", str(port),
+            [sys.executable, "-m", "duelq.apps.cli", "serve", "--port", str(port),
              "--backend", "reference", "--grace-s", "1", *SMALL_FLAGS, *flags],
             stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
@@ -200,8 +200,8 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged_before_the_last_checkpoin
             second.kill()
 
 
-@pytest.mark.parametrize("front", [(), ("--front-process",),
-                                   ("--front-process", "--front-processes", "2")],
+@pytest.mark.parametrize("front", [(), ("--front-processes", "1"),
+                                   ("--front-processes", "2")],
                          ids=["one-process", "front-process", "two-front-processes"])
 def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_path, front):
     port, directory, count = free_port(), tmp_path / "ckpt", 160
@@ -288,7 +288,7 @@ def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch, fronts):
     other fronts stop too (every process that shares the log's pipe has exited)."""
     temp = Path(tempfile.mkdtemp(prefix="dq-", dir="/tmp"))   # short: a socket path ≤ 107 B
     monkeypatch.setenv("TMPDIR", str(temp))
-    served = Served(free_port(), "--front-process", "--front-processes", str(fronts))
+    served = Served(free_port(), "--front-processes", str(fronts))
     try:
         served.wait_serving()
         folders = list(temp.glob("duelq-*"))

@@ -1,4 +1,4 @@
-"""``--front-process``: the same answers, refusals and limits as the one-process server.
+"""``--front-processes``: the same answers, refusals and limits as the one-process server.
 
 Each test starts a FrontServer (gRPC here, the learner in a spawned process, train requests
 relayed through shared memory) and, where it compares, a LearnerServer with the same config,
@@ -27,36 +27,33 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duelq.client import LearnerClient, encode_batch
-from duelq.client.tensors import encode
+from duelq.wire.tensors import encode
 from duelq.client import errors as client_errors
-from duelq.server.checkpoint import CheckpointError
-from duelq.server.config import LearnerConfig
-from duelq.server.front import FrontServer, LearnerProcessError, usable_cpus
-from duelq.server.learner import cuda_usable
-from duelq.server.relay import AHEAD, MAX_STREAM_ID, RelayFront, RelayLearner, SlotPool
-from duelq.server.server import SERVICE_NAME, ServerOptions, start_server
+from duelq.server.core.checkpoint import CheckpointError
+from duelq.server.core.config import LearnerConfig
+from duelq.server.fronts.front import FrontServer, LearnerProcessError, usable_cpus
+from duelq.server.core.learner import cuda_usable
+from duelq.server.fronts.relay import AHEAD, MAX_STREAM_ID, RelayFront, RelayLearner, SlotPool
+from duelq.server.fronts import start_server
+from duelq.server.server import SERVICE_NAME, ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from conftest import SMALL, random_batch
 
 
-@pytest.fixture(params=[True, False], ids=["packed", "unpacked"])
-def pair(make_server, request):
+@pytest.fixture
+def pair(make_server):
     """(one-process server, front-process server), same config, fresh state; the fronts
-    pack requests (server/packing.py) or not (``--no-relay-pack``)."""
+    pack requests (server/fronts/packing.py)."""
     plain = make_server()
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True,
-                                              relay_pack=request.param), backend="reference")
-    assert (front._relay._pack is not None) == request.param
-    front.packed = None   # the Packer's answers, when it packs
-    if request.param:
-        pack, front.packed = front._relay._pack, []
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=1), backend="reference")
+    pack, front.packed = front._relay._pack, []   # the Packer's answers
 
-        def counted(data, slot, address):
-            front.packed.append(pack(data, slot, address))
-            return front.packed[-1]
-        front._relay._pack = counted
+    def counted(data, slot, address):
+        front.packed.append(pack(data, slot, address))
+        return front.packed[-1]
+    front._relay._pack = counted
     yield plain, front
     front.stop(0)
 
@@ -145,14 +142,14 @@ def test_refuses_like_the_one_process_server(pair):
 def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, caplog):
     """max_streams holds; requests beyond the slot size go through the socket and more
     requests than slots are in flight at once: all answered, same results."""
-    options = dict(max_streams=1, max_rpcs=4, relay_slots=2, relay_slot_mb=1 / 16)
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True, **options),
+    options = dict(max_streams=1, max_rpcs=4, max_queue=1, max_message_bytes=1 << 20)
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=1, **options),
                          backend="reference")
     plain = make_server(**options)
     try:
         rng = np.random.default_rng(9)
         batches = [random_batch(rng, 1500 if i % 3 == 0 else 9) for i in range(10)]
-        assert 2 * 1500 * SMALL.hidden_dim * 4 > (1 << 20) / 16   # larger than a slot
+        assert 2 * 1500 * SMALL.hidden_dim * 4 > (1 << 20) / 8   # larger than a slot
         answers = []
         for server in (plain, front):
             with LearnerClient(server.target, actor_id="big") as client:
@@ -178,7 +175,7 @@ def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, capl
 
 
 def test_token_health_metrics_and_info(tmp_path):
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True, token="s3cret",
+    front = start_server(SMALL, ServerOptions(port=0, token="s3cret",
                                               metrics_port=_free_port()), backend="reference")
     try:
         channel = grpc.insecure_channel(front.target)
@@ -268,7 +265,7 @@ def _started_relay(prepare, apply, refuse=lambda exc, unary: (grpc.StatusCode.IN
 def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL, **kwargs):
     """:func:`_started_relay` whose jobs hold one of ``free``'s slots (:class:`_Job`);
     refusals answered ``code``."""
-    return _started_relay(lambda data, unary, address: _Job(data, free), apply,
+    return _started_relay(lambda data, unary: _Job(data, free), apply,
                           lambda exc, unary: (code, str(exc)), SlotPool(32, 4096), **kwargs)
 
 
@@ -309,7 +306,7 @@ def test_relay_answers_a_refusal_it_cannot_word(caplog):
     def refuse(exc, unary):
         raise RuntimeError("the refusal's wording failed (simulated)")
     learner, front = _started_relay(
-        lambda data, unary, address: types.SimpleNamespace(bad=bytes(data) == b"bad",
+        lambda data, unary: types.SimpleNamespace(bad=bytes(data) == b"bad",
                                                            close=lambda: None),
         apply, refuse)
     try:
@@ -343,7 +340,7 @@ def test_slot_pool_refuses_a_write_that_does_not_fit_its_slot():
 def test_relay_reply_sends_the_rest_after_a_partial_send():
     """A reply goes out with one sendmsg of the frame and the payload; should that send
     only part (a signal, say), the rest follows, so the front reads a whole reply."""
-    from duelq.server.relay import _REPLY, _Front, _LearnerStream
+    from duelq.server.fronts.relay import _REPLY, _Front, _LearnerStream
 
     class Sock:
         def __init__(self):
@@ -369,14 +366,14 @@ def test_relay_reads_frames_however_the_socket_splits_them():
     """The learner end reads a front's bytes as they come: OPEN, a request in the slot pool
     and one inline, sent one byte at a time, and then all in one write, get their answers
     in order."""
-    from duelq.server.relay import _FRAME, _REPLY, END, INLINE, OPEN, REQ
+    from duelq.server.fronts.relay import _FRAME, _REPLY, END, INLINE, OPEN, REQ
 
     learner_end, front_end = socket.socketpair()
     slots = SlotPool(2, 64)
     slots.write(0, b"in the pool")
     learner = RelayLearner(
         learner_end, slots,
-        lambda data, unary, address: types.SimpleNamespace(data=bytes(data), close=lambda: None),
+        lambda data, unary: types.SimpleNamespace(data=bytes(data), close=lambda: None),
         lambda job, call: job.data.upper(),
         lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
         open_stream=lambda: None, close_stream=lambda: None)
@@ -411,7 +408,7 @@ def test_relay_reads_frames_however_the_socket_splits_them():
 def _named_jobs_relay(prepare_hook, applied: list, *, slots: int = 4, **kwargs):
     """A started RelayLearner and its RelayFront whose jobs are the requests' bytes:
     ``prepare_hook(name)`` runs in each prepare, ``applied`` collects the steps."""
-    def prepare(data, unary, address):
+    def prepare(data, unary):
         name = bytes(data).decode()
         prepare_hook(name)
         return types.SimpleNamespace(name=name, close=lambda: None)
@@ -503,7 +500,7 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
         applied.append(job.name)
         return job.name.encode()
     learner, front = _started_relay(
-        lambda data, unary, address: types.SimpleNamespace(name=bytes(data).decode(),
+        lambda data, unary: types.SimpleNamespace(name=bytes(data).decode(),
                                                            close=lambda: None),
         apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc)))
     try:
@@ -524,7 +521,7 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
 def test_relay_call_is_active_never_raises(caplog):
     """The service asks is_active holding the apply lock, so a failure to read the frames
     (the relay closed under it, say) is logged, not raised."""
-    from duelq.server.relay import RelayCall, _Front, _LearnerStream
+    from duelq.server.fronts.relay import RelayCall, _Front, _LearnerStream
 
     def look():
         raise OSError("the relay's sockets are closed (simulated)")
@@ -609,7 +606,7 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
         def dec(self):
             depth[0] -= 1
 
-    def prepare(data, unary, address):
+    def prepare(data, unary):
         if pauses[0].random() < 0.2:
             time.sleep(pauses[0].random() * 3e-4)
         return types.SimpleNamespace(data=bytes(data), close=lambda: None)
@@ -757,7 +754,7 @@ def _free_port() -> int:
 
 
 def test_stop_writes_the_final_checkpoint_and_a_restart_keeps_keys(tmp_path):
-    options = ServerOptions(port=0, front_process=True, checkpoint_dir=str(tmp_path))
+    options = ServerOptions(port=0, checkpoint_dir=str(tmp_path))
     rng = np.random.default_rng(4)
     batches = [random_batch(rng, 6) for _ in range(3)]
     front = start_server(SMALL, options, backend="reference")
@@ -781,18 +778,18 @@ def test_refuses_to_start_over_another_configs_checkpoint(tmp_path):
                  backend="reference").stop()
     other = LearnerConfig(hidden_dim=SMALL.hidden_dim + 1, n_actions=SMALL.n_actions)
     with pytest.raises(CheckpointError, match="config mismatch"):
-        start_server(other, ServerOptions(port=0, front_process=True,
+        start_server(other, ServerOptions(port=0, front_processes=1,
                                           checkpoint_dir=str(tmp_path)), backend="reference")
 
 
 @pytest.mark.skipif(cuda_usable()[0], reason="a GPU is usable here")
 def test_a_backend_that_cannot_start_is_reported():
     with pytest.raises(LearnerProcessError):
-        start_server(SMALL, ServerOptions(port=0, front_process=True), backend="cuda")
+        start_server(SMALL, ServerOptions(port=0, front_processes=1), backend="cuda")
 
 
 def test_a_dead_learner_process_turns_the_front_unavailable():
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True), backend="reference")
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=1), backend="reference")
     try:
         assert isinstance(front, FrontServer)
         front._process.kill()
@@ -821,7 +818,7 @@ def test_failing_cancelled_and_expired_streams_leave_it_serving():
     later requests are still arriving, ends alone: the learner process keeps serving, and
     nothing is applied after the failure or after the call ended, and no handler thread
     is left waiting (with max_rpcs 3, a leaked one per stream would soon refuse calls)."""
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True, max_streams=2,
+    front = start_server(SMALL, ServerOptions(port=0, max_streams=2,
                                               max_rpcs=3), backend="reference")
     try:
         stub = _stub(front.target)
@@ -867,7 +864,7 @@ def test_front_processes_share_the_port_and_stop_together(make_server, tmp_path,
     (the learner process counts each front's requests); stop drains, writes the final
     checkpoint, and every process exits and the socket folder goes, with no front taking
     the learner process's going for a death."""
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True, front_processes=2,
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=2,
                                               metrics_port=_free_port(),
                                               checkpoint_dir=str(tmp_path)),
                          backend="reference")
@@ -890,7 +887,7 @@ def test_front_processes_share_the_port_and_stop_together(make_server, tmp_path,
 
 
 def test_a_killed_second_front_leaves_the_first_serving(tmp_path, caplog):
-    front = start_server(SMALL, ServerOptions(port=0, front_process=True, front_processes=2,
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=2,
                                               checkpoint_dir=str(tmp_path)),
                          backend="reference")
     try:
@@ -959,7 +956,7 @@ def test_more_fronts_than_cpus_are_warned_about(caplog):
     """As many front processes as usable CPUs (the image's 8 on a small host): a warning
     naming a count to try."""
     cpus = usable_cpus()
-    server = FrontServer(ServerOptions(port=0, front_process=True, front_processes=max(2, cpus)))
+    server = FrontServer(ServerOptions(port=0, front_processes=max(2, cpus)))
     with caplog.at_level(logging.WARNING, logger="duelq.server.front"):
         server.start()
     server.stop(0)
@@ -970,7 +967,7 @@ def test_more_fronts_than_cpus_are_warned_about(caplog):
 def test_front_processes_refuse_a_port_another_server_listens_on():
     """The fronts share their port (SO_REUSEPORT): a second server with several fronts on it
     would take part of the connections silently, so the first front refuses such a port."""
-    options = ServerOptions(port=0, front_process=True, front_processes=2)
+    options = ServerOptions(port=0, front_processes=2)
     first = start_server(SMALL, options, backend="reference")
     try:
         taken = FrontServer(replace(options, port=first.port))
@@ -1022,7 +1019,7 @@ def test_a_stream_is_counted_out_before_its_last_answer_leaves():
 def test_another_front_told_of_a_stop_takes_the_learner_process_going_calmly(caplog):
     """The first front tells the others before it stops the learner process, so that they
     do not take its going for a death (ERROR, NOT_SERVING) as they do otherwise."""
-    options = ServerOptions(port=0, front_process=True, front_processes=2)
+    options = ServerOptions(port=0, front_processes=2)
     for told in (False, True):
         caplog.clear()
         front = FrontServer(options, index=1)
@@ -1058,7 +1055,7 @@ def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
         assert context.is_active() and context.time_remaining() is None
         return grpc.StatusCode.OK, request[::-1]
     learner, front = _started_relay(
-        lambda data, unary, address: types.SimpleNamespace(close=lambda: None), apply,
+        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply,
         slots=SlotPool(4, 64), call=call)
     try:
         stream = front.open(unary=False, deadline=None)
@@ -1107,7 +1104,7 @@ def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
         ran.append(request)
         return grpc.StatusCode.OK, b""
     learner, front = _started_relay(
-        lambda data, unary, address: types.SimpleNamespace(close=lambda: None), apply,
+        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply,
         call=call)
     try:
         stream = front.open(unary=True, deadline=None)

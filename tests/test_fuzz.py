@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from duelq.client import encode_batch
-from duelq.client.tensors import encode
-from duelq.server.server import ServerOptions, start_server
+from duelq.wire.tensors import encode
+from duelq.server.fronts import start_server
+from duelq.server.server import ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 

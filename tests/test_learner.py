@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from duelq.server import (Batch, InvalidArgument, Learner, LearnerConfig, LearnerState,
+from duelq.server.core import (Batch, InvalidArgument, Learner, LearnerConfig, LearnerState,
                           NonFiniteStep, ResourceExhausted)
-from duelq.server.batch import validate_batch
-from duelq.server.learner import cuda_usable
+from duelq.server.core.batch import validate_batch
+from duelq.server.core.learner import cuda_usable
 
 from helpers import random_batch, small_config
 
@@ -295,7 +295,7 @@ def test_shape_only_validation_leaves_values_but_not_wide_actions():
 
 
 def test_native_host_calls_asked_of_the_reference_backend_are_a_warning(caplog):
-    from duelq.server.learner import make_backend
+    from duelq.server.core.learner import make_backend
     config = small_config()
     with caplog.at_level("WARNING", logger="duelq.server.learner"):
         backend = make_backend("reference", config, LearnerState.initial(config), native=True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from duelq.client import LearnerClient, encode_batch, errors
-from duelq.client.tensors import encode
+from duelq.wire.tensors import encode
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 

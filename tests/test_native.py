@@ -1,7 +1,7 @@
-"""server/native.c built and loaded without a GPU: the build, its cache, its failures, and
-the block totals against the NumPy sums they replace (bit for bit), and the timed build's
-counts against a stand-in driver.  The driver calls themselves are tested on the GPU
-(tests/test_cuda.py, both host paths)."""
+"""server/core/native.c built and loaded without a GPU: the build, its cache, its failures,
+the block totals against NumPy's sums (bit for bit), its calls against a stand-in driver,
+and the structs shared with C laid out as the C compiler lays them out.  The driver calls
+themselves are tested on the GPU (tests/test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from duelq.server import native
-from duelq.server.native import NativeUnavailable
+from duelq.kernels import source as kernel_source
+from duelq.server.core import native
+from duelq.server.core.native import NativeUnavailable
 
 pytestmark = pytest.mark.skipif(shutil.which(native.compiler()[0]) is None,
                                 reason=f"no C compiler ({native.compiler()[0]})")
@@ -29,7 +30,8 @@ def cache(monkeypatch, tmp_path):
 
 
 def numpy_totals(parts: np.ndarray) -> list[float]:
-    """CudaBackend's Python path: rows added in block order in float64, row 1 squared."""
+    """The block totals' specification: rows added in block order in float64, row 1
+    squared."""
     wide = parts.astype(np.float64)
     wide[1] *= wide[1]
     return wide.cumsum(axis=1)[:, -1].tolist()
@@ -112,10 +114,10 @@ def test_the_build_is_cached_per_source_and_compiler(cache, monkeypatch):
 
 def test_a_failing_compiler_is_reported(cache, monkeypatch):
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(NativeUnavailable, match="^false failed on native.c and lane.c"):
+    with pytest.raises(NativeUnavailable, match="^false failed on native.c"):
         native.load()
     monkeypatch.setenv("CC", "no-such-compiler-duelq")
-    with pytest.raises(NativeUnavailable, match="cannot build native.c and lane.c with "
+    with pytest.raises(NativeUnavailable, match="cannot build native.c with "
                                                 "no-such-compiler-duelq"):
         native.load()
     assert list(cache.iterdir()) == []   # nothing half-built is left
@@ -139,66 +141,74 @@ def test_without_libcuda_init_says_so(cache):
         native.load()   # a machine with a driver: every entry point resolves
 
 
-def test_the_default_build_times_nothing(cache):
-    assert native.load(cuda=False).call_times() is None
-
-
 FAKE_DRIVER = r"""
-#include <time.h>
-static int calls;
+static int syncs;
 int cuMemcpyHtoDAsync_v2(void) { return 0; }
 int cuMemcpyDtoHAsync_v2(void) { return 0; }
-int cuLaunchKernel(void) { return 0; }
 int cuLaunchCooperativeKernel(void) { return 0; }
 int cuEventRecord(void) { return 0; }
 int cuStreamWaitEvent(void) { return 0; }
-int cuEventSynchronize(void) { return 0; }
-int cuStreamSynchronize(void) {   /* 2 ms, as if the device worked */
-    struct timespec t = {0, 2000000};
-    nanosleep(&t, 0);
-    return ++calls == 2 ? 700 : 0;   /* the second sync fails */
-}
+int cuStreamSynchronize(void) { return ++syncs == 2 ? 700 : 0; }   /* the second fails */
 """
 
-TIMED_CALLS = """
-import ctypes, sys
-from duelq.server import native
-native.time_calls()
+FAKE_STEPS = """
+import ctypes
+from duelq.server.core import native
 lib = native.load()
 parts = (ctypes.c_float * 5)(1, 2, 3, 4, 1)        # one block's partials
 upload, step = native.UploadCall(), native.StepCall(blocks=1, parts=ctypes.addressof(parts))
-assert lib.call_times() == {name: (0.0, 0) for name in native.DRIVER_CALLS}
-assert lib.upload(ctypes.addressof(upload), 0, 0) == 0
-assert lib.copy(ctypes.addressof(upload), 0, 0, 0) == 0   # a packed batch's: no launch
+assert lib.copy(ctypes.addressof(upload), 0, 0, 0) == 0
 step.wait = 1                                   # an upload to wait for
 assert lib.step(ctypes.addressof(step)) == 0
 assert step.totals[:] == [1.0, 4.0, 3.0, 4.0, 1.0]
 step.wait = None                                # staged on the stream: no wait
 assert lib.step(ctypes.addressof(step)) == 700  # the failed sync's status
-times = lib.call_times()
-counts = {name: n for name, (_, n) in times.items()}
-assert counts == {"cuMemcpyHtoDAsync": 2, "cuMemcpyDtoHAsync": 2, "cuLaunchKernel": 1,
-                  "cuLaunchCooperativeKernel": 2, "cuEventRecord": 2,
-                  "cuStreamWaitEvent": 1, "cuStreamSynchronize": 2,
-                  "cuEventSynchronize": 0}, counts
-assert 0.004 <= times["cuStreamSynchronize"][0] < 1.0, times
-assert all(s < 0.004 for name, (s, _) in times.items() if name != "cuStreamSynchronize")
 print("ok")
 """
 
 
-def test_a_timed_build_counts_and_times_each_driver_call(cache, tmp_path):
-    """native.time_calls()'s build against a stand-in libcuda.so.1 (no GPU here): each entry
-    point's calls are counted and their wall time summed, the sync's 2 ms each included;
-    a step whose sync fails still counts it."""
+def test_copy_and_step_against_a_stand_in_driver(cache, tmp_path):
+    """The library against a stand-in libcuda.so.1 (no GPU here): a copy and a step succeed,
+    the block totals come back, and a step whose sync fails returns the driver's status."""
     source = tmp_path / "fake_cuda.c"
     source.write_text(FAKE_DRIVER)
     subprocess.run([*native.compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"),
                     str(source)], check=True)
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", TIMED_CALLS], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", FAKE_STEPS], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("source, name, ctype", [
+    (native.SOURCE.read_text(), "duelq_upload", native.UploadCall),
+    (native.SOURCE.read_text(), "duelq_step", native.StepCall),
+    (kernel_source("learner_step.cu"), "StepArgs", native.StepArgs),
+], ids=["duelq_upload", "duelq_step", "StepArgs"])
+def test_ctypes_structs_lay_out_as_the_c_compiler_does(source, name, ctype, tmp_path):
+    """Each struct that crosses into C is read from its C source; the C compiler, given the
+    same text, puts every field at the offset ctypes does, and the sizes agree."""
+    prelude = ("#include <stddef.h>\n#include <stdio.h>\ntypedef void *CUstream, *CUevent, "
+               "*CUfunction;\ntypedef unsigned long long CUdeviceptr, tagged_t;\n")
+    body = native.struct_text(source, name)
+    fields = [f for f, _ in ctype._fields_]
+    prints = "".join(f'printf("%zu\\n", offsetof(struct {name}, {f}));' for f in fields)
+    program = (f"{prelude}struct {name} {{{body}}};\nint main(void) {{ {prints} "
+               f'printf("%zu\\n", sizeof(struct {name})); return 0; }}\n')
+    (tmp_path / "layout.c").write_text(program)
+    subprocess.run([*native.compiler(), "-o", str(tmp_path / "layout"), str(tmp_path / "layout.c")],
+                   check=True)
+    got = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    want = [getattr(ctype, f).offset for f in fields] + [ctypes.sizeof(ctype)]
+    assert [int(x) for x in got] == want
+
+
+def test_struct_fields_reads_c_declarations():
+    text = "struct s { const float *a, b; unsigned long long c[3]; int **d; /* e */ };"
+    assert [(f, t) for f, t in native.struct_fields(text, "s")] == [
+        ("a", ctypes.c_void_p), ("b", ctypes.c_float), ("c", ctypes.c_ulonglong * 3),
+        ("d", ctypes.c_void_p)]
 
 
 def test_the_stream_copy_copies_every_length_and_alignment(cache):

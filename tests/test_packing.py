@@ -16,18 +16,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from duelq.client.client import encode_batch_wire
-from duelq.client.tensors import encode
-from duelq.server import relay
-from duelq.server.backend import StepOutputs
-from duelq.server.batch import FEATURE_DTYPES, Batch, PackedBatch, packed_layout, validate_batch
-from duelq.server.errors import InvalidArgument, ResourceExhausted
-from duelq.server.learner import Learner
-from duelq.server.packing import DESCRIPTOR, STREAM_MIN_BYTES, Packer, read_packed
-from duelq.server.reference import ReferenceBackend
-from duelq.server.relay import RelayFront, RelayLearner, SlotPool
+from duelq.wire.tensors import encode
+from duelq.server.fronts import relay
+from duelq.server.core.backend import StepOutputs
+from duelq.server.core.batch import FEATURE_DTYPES, Batch, PackedBatch, packed_layout, validate_batch
+from duelq.server.core.errors import InvalidArgument, ResourceExhausted
+from duelq.server.core.learner import Learner
+from duelq.server.fronts.packing import DESCRIPTOR, STREAM_MIN_BYTES, Packer, read_packed
+from duelq.server.core.reference import ReferenceBackend
+from duelq.server.fronts.relay import RelayFront, RelayLearner, SlotPool
 from duelq.server.service import (EncodedTrainResponse, LearnerService, Limits, decode_batch,
                                   refusal)
-from duelq.server.wire import parse_train_request
+from duelq.server.framing import parse_train_request
 from duelq.v1 import learner_pb2 as pb
 
 from conftest import SMALL, random_batch
@@ -275,12 +275,11 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
                 encode_batch_wire(big, actor_id="a", seq=2)]
     seen: list = []
 
-    def prepare(data, unary, address):
+    def prepare(data, unary):
         seen.append(("bytes", bytes(data)))
         return types.SimpleNamespace(close=lambda: None)
 
-    def prepare_packed(descriptor, data, address):
-        packed, key = read_packed(descriptor, data, address)
+    def prepare_packed(packed, key):
         seen.append(("packed", packed.batch(), pb.RequestKey.FromString(key)))
         return types.SimpleNamespace(close=lambda: None)
 
@@ -422,7 +421,7 @@ def test_a_relay_whose_first_front_closed_reads_no_other_front_while_it_drains()
         assert go.wait(10)
         go.clear()
 
-    def prepare(data, unary, address):
+    def prepare(data, unary):
         prepared.append(bytes(data))
         return types.SimpleNamespace(close=hold if bytes(data) == b"two" else lambda: None)
 
@@ -463,7 +462,7 @@ def test_a_relay_whose_first_front_closed_reads_no_other_front_while_it_drains()
 def test_a_packer_with_the_stream_copy_writes_the_same_slot():
     """The large arrays go through the stream copy, the small ones are copied as before,
     and the slot's bytes are those of a plain Packer's."""
-    from duelq.server import native
+    from duelq.server.core import native
     try:
         stream = native.load(cuda=False).stream_copy
     except native.NativeUnavailable as exc:

@@ -19,8 +19,8 @@ import math
 import numpy as np
 import pytest
 
-from duelq.server import Batch, LearnerConfig, LearnerState, Params
-from duelq.server.reference import huber, loss_and_grads, q_values, train_step
+from duelq.server.core import Batch, LearnerConfig, LearnerState, Params
+from duelq.server.core.reference import huber, loss_and_grads, q_values, train_step
 
 F64 = np.float64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from duelq.server import LearnerState, Params
-from duelq.server.reference import loss_and_grads, train_step
+from duelq.server.core import LearnerState, Params
+from duelq.server.core.reference import loss_and_grads, train_step
 
 from helpers import random_batch, small_config
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from duelq.client.replay import NStepReplay
-from duelq.server import Learner, LearnerConfig
+from duelq.server.core import Learner, LearnerConfig
 
 
 def h(i: int) -> np.ndarray:
@@ -70,7 +70,7 @@ def test_replay_checks_its_arguments():
 
 def test_greedy_policy_reaches_the_optimum_on_frozen_lake():
     pytest.importorskip("gymnasium")
-    from duelq.client.gym_actor import (OPTIMAL_RETURN, ActorConfig, env_dims, greedy_return,
+    from duelq.apps.gym_actor import (OPTIMAL_RETURN, ActorConfig, env_dims, greedy_return,
                                         run_actor)
     env_id = "FrozenLake-v1"
     H, N = env_dims(env_id)
@@ -87,7 +87,7 @@ def test_greedy_policy_reaches_the_optimum_on_frozen_lake():
 
 def test_env_demo_learns_through_the_server(tmp_path, capsys):
     pytest.importorskip("gymnasium")
-    from duelq.server.cli import main
+    from duelq.apps.cli import main
     plot = tmp_path / "frozen.png"
     code = main(["demo", "--env", "FrozenLake-v1", "--actors", "2", "--env-steps", "1500",
                  "--backend", "reference", "--plot", str(plot)])
@@ -100,6 +100,6 @@ def test_env_demo_learns_through_the_server(tmp_path, capsys):
 
 def test_env_demo_refuses_a_server_of_the_wrong_size(server, capsys):
     pytest.importorskip("gymnasium")
-    from duelq.server.cli import main
+    from duelq.apps.cli import main
     assert main(["demo", "--env", "FrozenLake-v1", "--target", server.target]) == 1
     assert "FrozenLake-v1 needs H, N = (16, 4)" in capsys.readouterr().out

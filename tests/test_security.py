@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from duelq.client import LearnerClient, errors
-from duelq.server import cli
-from duelq.server.errors import InvalidArgument
+from duelq.apps import cli
+from duelq.server.core.errors import InvalidArgument
 from duelq.server.server import LearnerServer, ServerOptions
 
 from conftest import random_batch

@@ -22,13 +22,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from duelq.client import LearnerClient, encode_batch
 from duelq.client.client import encode_batch_wire
-from duelq.server.errors import InvalidArgument
-from duelq.client.tensors import decode, encode
-from duelq.server.config import LearnerConfig
+from duelq.server.core.errors import InvalidArgument
+from duelq.wire.tensors import decode, encode
+from duelq.server.core.config import LearnerConfig
 from duelq.server.idempotency import AlreadyApplied, ReplayGuard
-from duelq.server.learner import Learner, StepResult
+from duelq.server.core.learner import Learner, StepResult
 from duelq.server.server import LearnerServer, ServerOptions
-from duelq.server import wire
+from duelq.server import framing as wire
 from duelq.server.service import (REPLAY_KINDS, EncodedTrainResponse, LearnerService, Limits,
                                   encoded_train_response, train_response)
 from duelq.v1 import learner_pb2 as pb

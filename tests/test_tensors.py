@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from duelq.client import errors
-from duelq.client.tensors import (bfloat16_bits_to_float32, decode, encode,
+from duelq.wire.tensors import (bfloat16_bits_to_float32, decode, encode,
                                   float32_to_bfloat16_bits)
 from duelq.v1 import learner_pb2 as pb
 

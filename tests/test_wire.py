@@ -9,7 +9,7 @@ import pytest
 
 from duelq.client.client import encode_batch, encode_batch_wire
 from duelq.client.errors import InvalidArgument
-from duelq.client.tensors import (bfloat16_bits_to_float32, encode, float16_to_float32,
+from duelq.wire.tensors import (bfloat16_bits_to_float32, encode, float16_to_float32,
                                   float32_to_bfloat16_bits, tensor_wire, varint)
 from duelq.server.service import decode_batch
 from duelq.v1 import learner_pb2 as pb

@@ -1,4 +1,4 @@
-"""The server's zero-copy TrainRequest parser (server/wire.py) against protobuf's (upb).
+"""The server's zero-copy TrainRequest parser (server/framing.py) against protobuf's (upb).
 
 Whatever bytes arrive, ``train_request_deserializer`` must give what
 ``TrainRequest.FromString`` gives: the same fields (presence, dtype, shape, data,
@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from duelq.client.client import encode_batch_wire
-from duelq.client.tensors import tensor_wire
+from duelq.wire.tensors import tensor_wire
 from duelq.client.errors import InvalidArgument as ClientInvalidArgument
-from duelq.server.errors import InvalidArgument
+from duelq.server.core.errors import InvalidArgument
 from duelq.server.service import decode_batch
-from duelq.server import wire
-from duelq.server.wire import (TENSOR_FIELDS, WireTrainRequest, parse_train_request,
+from duelq.server import framing as wire
+from duelq.server.framing import (TENSOR_FIELDS, WireTrainRequest, parse_train_request,
                                train_request_deserializer)
 from duelq.v1 import learner_pb2 as pb
 
@@ -200,7 +200,7 @@ def test_a_batch_read_in_place_records_where_its_arrays_lie(weights):
     """decode_batch(address=...) of a request parsed in place from a buffer: the span's
     offsets are where each array's bytes are; validation keeps the span only while no array
     is converted; a request that upb parsed (no offsets) gets none."""
-    from duelq.server.batch import validate_batch
+    from duelq.server.core.batch import validate_batch
     batch = random_batch(np.random.default_rng(5), 17, weights=weights)
     data = encode_batch_wire(batch, feature_dtype="float16", actor_id="a", seq=1)
     pool = np.zeros(len(data) + 11, np.uint8)
@@ -226,7 +226,7 @@ def test_a_vector_widened_on_decode_gets_no_span(field):
     """A bfloat16 vector is decoded into a new float32 array, not a view of its 2-byte
     payload: the batch must not claim its bytes lie in the request (the device would read
     twice the payload, past the message for the last field)."""
-    from duelq.client.tensors import tensor_wire
+    from duelq.wire.tensors import tensor_wire
     batch = random_batch(np.random.default_rng(6), 9)
     parts: list = []
     for number, name in enumerate(TENSOR_FIELDS, 1):

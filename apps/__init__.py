@@ -1,0 +1,2 @@
+"""duelq.apps: the ``duelq`` command (serve, health, demo, bench) built from the server and
+the client."""

@@ -1,0 +1,351 @@
+"""The ``duelq`` command: ``duelq serve`` runs a learner server, ``duelq demo`` shows one train.
+
+Every flag can also be set by an environment variable ``DUELQ_<FLAG>`` (for
+``--max-streams``: ``DUELQ_MAX_STREAMS``); a flag on the command line wins.
+The LearnerConfig and ServerOptions flags are generated from those dataclasses,
+with their field docstrings as help, so a new knob becomes a flag by itself.
+
+Exit codes: 0 success (also a clean shutdown on SIGINT/SIGTERM), 1 a runtime
+failure (cannot bind, no usable backend, the final checkpoint could not be
+written, the demo failed), 2 a usage or configuration error, 3 the newest
+checkpoint in ``--checkpoint-dir`` is unreadable, corrupt or was made with
+another configuration (``duelq serve`` never starts fresh over it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import sys
+import textwrap
+import threading
+from typing import Any, Callable, Sequence
+
+from duelq.server.core.checkpoint import CheckpointError
+from duelq.server.core.config import LearnerConfig
+from duelq.apps.gym_actor import OPTIMAL_RETURN
+
+from duelq.apps.demo import run_demo
+from duelq.apps.gym_demo import env_config
+from duelq.server.core.errors import InvalidArgument
+from duelq.server.core.learner import BACKENDS
+from duelq.server.fronts import make_server
+from duelq.server.logs import setup_logging
+from duelq.server.server import ServerOptions
+
+log = logging.getLogger("duelq")
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CHECKPOINT = 0, 1, 2, 3
+ENV_PREFIX = "DUELQ_"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+SECRETS = {"token"}  # never echoed in --help; prefer DUELQ_TOKEN or --token-file to --token
+
+
+class UsageError(Exception):
+    """A flag or environment variable has a value that cannot be used."""
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, by field name."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in TRUE:
+        return True
+    if text.lower() in FALSE:
+        return False
+    raise ValueError(f"expected one of {TRUE + FALSE}")
+
+
+def parse_slots(text: str) -> dict[str, int]:
+    """``name=index,name=index`` → {name: index}."""
+    slots = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, index = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not name=index")
+        slots[name.strip()] = int(index)
+    return slots
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": int, "float": float, "str": str, "bool": parse_bool, "Mapping[str, int]": parse_slots,
+}
+
+
+def add_flag(group, dest: str, kind: str, default: Any, help: str, **extra) -> None:
+    """A flag whose default comes from ``DUELQ_<DEST>`` when that is set."""
+    parse = _PARSERS[kind]
+    env = env_name(dest)
+    if env in os.environ:
+        try:
+            default = parse(os.environ[env])
+        except ValueError as exc:
+            raise UsageError(f"{env}={os.environ[env]!r}: {exc}") from None
+        if "choices" in extra and default not in extra["choices"]:
+            raise UsageError(f"{env}={default!r}: must be one of {extra['choices']}")
+    if dest in SECRETS or default in ("", None):
+        shown = ""
+    elif kind.startswith("Mapping"):
+        shown = "default " + ",".join(f"{k}={v}" for k, v in default.items()) + "; "
+    else:
+        shown = f"default {default}; "
+    help = f"{help} [{shown}env {env}]".replace("%", "%%")
+    if kind == "bool":
+        group.add_argument(flag_name(dest), dest=dest, default=default, help=help,
+                           action=argparse.BooleanOptionalAction)
+    else:
+        group.add_argument(flag_name(dest), dest=dest, default=default, help=help,
+                           type=parse, metavar=None if "choices" in extra else dest.upper(),
+                           **extra)
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str,
+                        defaults: dict[str, Any] | None = None) -> None:
+    group = parser.add_argument_group(title)
+    docs = field_docs(cls)
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        add_flag(group, f.name, str(f.type), defaults.get(f.name, default), docs.get(f.name, ""))
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """Build ``cls`` from the parsed flags; its InvalidArgument becomes a UsageError."""
+    try:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    except InvalidArgument as exc:
+        raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
+
+
+DEMO_COUNTS = ("actors", "steps", "batch_size", "window", "sync_every", "env_steps")
+
+
+def add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("demo (--token, if set, is also sent to --target)")
+    add_flag(group, "target", "str", "", "host:port of a running server; empty starts one "
+             "in-process")
+    add_flag(group, "actors", "int", 4, "actor threads, one TrainStream each")
+    add_flag(group, "steps", "int", 300, "batches per actor")
+    add_flag(group, "batch_size", "int", 128, "transitions per batch (B)")
+    add_flag(group, "window", "int", 8, "batches in flight per stream")
+    add_flag(group, "sync_every", "int", 10, "batches between weight pulls")
+    add_flag(group, "plot", "str", "duelq-demo-loss.png", "where to save the loss-curve PNG")
+    add_flag(group, "demo_seed", "int", 1, "seed of the synthetic task and the actors")
+    add_flag(group, "ready_timeout", "float", 30.0, "seconds to wait for the server's health "
+             "to say SERVING")
+    add_flag(group, "env", "str", "", "a gymnasium task with a known optimum instead of the "
+             "synthetic one; sizes the head for it and applies optimizer=sgd, lr=0.5, tau=0.05 "
+             "to the learner knobs left at their defaults", choices=("",) + tuple(OPTIMAL_RETURN))
+    add_flag(group, "env_steps", "int", 2000, "environment steps per actor with --env")
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bench (--token, if set, is also sent to --target)")
+    add_flag(group, "target", "str", "", "gRPC target of a running server (host:port or "
+             "unix:///path); empty starts one in-process (needed for the null backend, the "
+             "UDS cells and the server-side overhead)")
+    add_flag(group, "batch_sizes", "str", "256,1024,4096", "comma-separated batch sizes B")
+    add_flag(group, "actors", "int", 2, "actor processes of the by-batch-size table")
+    add_flag(group, "scaling_actors", "str", "1,2,4,8", "actor counts of the scaling table; "
+             "empty skips it")
+    add_flag(group, "scaling_batch", "int", 1024, "B of the scaling table")
+    add_flag(group, "transports", "str", "tcp,uds", "tcp and/or uds (Unix-domain socket); "
+             "the first is the by-batch-size table's")
+    add_flag(group, "wire_dtypes", "str", "float32,float16,bfloat16", "feature dtypes on the "
+             "wire")
+    add_flag(group, "duration", "float", 1.5, "measured seconds per cell")
+    add_flag(group, "warmup", "float", 0.5, "unmeasured seconds before each cell")
+    add_flag(group, "window", "int", 8, "batches in flight per stream")
+    add_flag(group, "echo_processes", "int", 1, "processes serving the byte stream's TCP port "
+             "(SO_REUSEPORT), as --front-processes does for a server: the ceiling of that "
+             "server model")
+    add_flag(group, "experiments", "bool", True, "also run the byte stream on grpc.aio, and "
+             "it and the null learner with larger HTTP/2 windows and with tuned malloc")
+    add_flag(group, "device_step", "bool", True, "on a cuda backend, time the device step "
+             "against PyTorch with benchmarks/device_step.py")
+    add_flag(group, "out", "str", "duelq-bench", "directory for bench.json and bench.png")
+    add_flag(group, "quick", "bool", False, "a smoke run in seconds: B=256, 1–2 actors, "
+             "0.25 s cells (overrides those flags)")
+    add_flag(group, "ready_timeout", "float", 60.0, "seconds to wait for a server to be "
+             "SERVING")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duelq", description="A gRPC learner service for a Dueling-DQN head.",
+        epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error, "
+               "3 refused checkpoint (corrupt or another configuration). "
+               "Every flag also reads DUELQ_<FLAG> from the environment.")
+    add_flag(parser, "log_level", "str", "", "logging level (DEBUG, INFO, WARNING, ERROR; "
+             "default INFO for serve, WARNING for demo)")
+    add_flag(parser, "log_format", "str", "text", "text, or json: one JSON object per line "
+             "for log shippers", choices=("text", "json"))
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{serve,demo,health,bench}")
+
+    serve = commands.add_parser("serve", help="run a learner server until SIGINT/SIGTERM",
+                                description="Run a learner server until SIGINT or SIGTERM.")
+    add_flag(serve, "backend", "str", "auto", "auto picks cuda when a GPU is usable",
+             choices=BACKENDS)
+    add_dataclass_flags(serve, ServerOptions, "server and limits")
+    add_dataclass_flags(serve, LearnerConfig, "learner (LearnerConfig)")
+
+    demo = commands.add_parser(
+        "demo", help="train with concurrent actors on synthetic data and summarise",
+        description="Start a server in-process (or use --target), stream synthetic batches "
+                    "from several actors, print a summary and save the loss curve.")
+    add_flag(demo, "backend", "str", "auto", "auto picks cuda when a GPU is usable",
+             choices=BACKENDS)
+    add_demo_flags(demo)
+    add_dataclass_flags(demo, ServerOptions, "in-process server and limits", {"port": 0})
+    add_dataclass_flags(demo, LearnerConfig, "learner (LearnerConfig)", {"lr": 3e-3})
+
+    probe = commands.add_parser(
+        "health", help="ask a server's grpc.health.v1 service whether it is SERVING",
+        description="Exit 0 if the server at --target reports SERVING, 1 otherwise "
+                    "(NOT_SERVING, unreachable, timed out). Used by the Docker HEALTHCHECK.")
+    add_flag(probe, "target", "str", "localhost:50051", "host:port of the server")
+    add_flag(probe, "timeout", "float", 3.0, "seconds to wait for the answer")
+    add_flag(probe, "tls_ca", "str", "", "PEM CA bundle to verify a TLS server with; empty "
+             "for plaintext")
+
+    bench = commands.add_parser(
+        "bench", help="throughput and latency of the service vs a bare gRPC byte stream",
+        description="Drive a learner (in-process, or --target) with actor processes through "
+                    "the client library; print throughput, latency and server overhead as "
+                    "ratios to a bare gRPC byte stream measured in the same run; write "
+                    "bench.json and bench.png under --out. With --front-processes the bench "
+                    "starts that server (its --front-processes fronts and learner process) "
+                    "and measures it as a --target. Exit 1 if a cell failed.")
+    add_flag(bench, "backend", "str", "auto", "auto picks cuda when a GPU is usable; every "
+             "cell also runs on the null (no-op) backend", choices=BACKENDS)
+    add_bench_flags(bench)
+    add_dataclass_flags(bench, ServerOptions, "in-process server and limits", {"port": 0})
+    add_dataclass_flags(bench, LearnerConfig, "learner (LearnerConfig)")
+    return parser
+
+
+def health_check(args: argparse.Namespace) -> int:
+    """One grpc.health.v1 Check of the Learner service; prints the status."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from duelq.server.server import SERVICE_NAME
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.target)
+    with channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.target}: {exc.code().name}: {exc.details()}")
+            return EXIT_FAILURE
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(f"{args.target}: {status}")
+    return EXIT_OK if answer.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM: bind, resume or build the learner, SERVING; on a signal
+    NOT_SERVING, drain, final checkpoint, exit 0."""
+    config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
+    try:
+        server = make_server(options)
+    except InvalidArgument as exc:  # an unreadable or empty --token-file
+        raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
+    try:
+        server.start()
+    except OSError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILURE
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    try:
+        server.serve_learner(config, backend=args.backend)
+    except CheckpointError as exc:
+        log.error("%s; refusing to start (move the file away to start fresh, or fix the "
+                  "configuration to match it)", exc)
+        server.stop(0)
+        return EXIT_CHECKPOINT
+    except Exception as exc:  # noqa: BLE001 — any backend failure ends the command
+        log.error("cannot start the %s backend: %s", args.backend, exc)
+        server.stop(0)
+        return EXIT_FAILURE
+    while not stop.wait(0.5):
+        if options.front_processes and server.broken.is_set():
+            log.error("the learner process died; exiting")
+            server.stop(0)
+            return EXIT_FAILURE
+    log.info("draining: finishing admitted steps, then the final checkpoint; running rpcs "
+             "get up to %g s", options.grace_s)
+    try:
+        saved = server.stop()
+    except CheckpointError as exc:
+        log.error("final checkpoint failed: %s", exc)
+        return EXIT_FAILURE
+    if saved is not None:
+        log.info("final checkpoint %s at step %d", *saved)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``duelq`` console script; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
+        if not isinstance(logging.getLevelName(level), int):
+            raise UsageError(f"--log-level: unknown level {args.log_level!r}")
+        setup_logging(level, args.log_format)
+        if args.command == "serve":
+            return serve(args)
+        if args.command == "health":
+            return health_check(args)
+        if args.command == "bench":
+            from duelq.apps.bench import run_bench
+            return run_bench(args, from_args(LearnerConfig, args),
+                             from_args(ServerOptions, args), argv)
+        for name in DEMO_COUNTS:
+            if getattr(args, name) < 1:
+                raise UsageError(f"{flag_name(name)}: must be ≥ 1")
+        config = from_args(LearnerConfig, args)
+        if args.env:
+            defaults = from_args(LearnerConfig, build_parser().parse_args(["demo"]))
+            config = env_config(args.env, config, defaults)
+        return run_demo(args, config, from_args(ServerOptions, args))
+    except UsageError as exc:
+        print(f"duelq: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The learner: validates inputs, runs one step on a backend, commits or refuses it.
+
+This is the object the gRPC service calls.  Every public method checks its
+inputs first and raises :class:`InvalidArgument` naming the field; a refused
+call leaves the state bit-identical.  Calls are serialised by one lock, so
+steps apply one at a time in arrival order.  :meth:`Learner.prepare` does a
+step's checks and starts its copy to the device without that lock, so the
+service can run it while another step holds the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from duelq.server.core.backend import Backend, Upload
+from duelq.server.core.batch import (FEATURE_DTYPES, Batch, PackedBatch, validate_actions, validate_batch,
+                    validate_features)
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.errors import InvalidArgument, NonFiniteStep, ResourceExhausted
+from duelq.server.core.state import LearnerState, Params
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+@dataclass
+class StepResult:
+    """What a committed step returns (DESIGN §2 step 9).
+
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
+
+    loss: float               # mean importance-weighted Huber loss
+    td_errors: np.ndarray     # [B] float32, before the update
+    priorities: np.ndarray    # [B] float32, |δ| + ε
+    q_taken_mean: float       # mean Q_θ(h_t)[a] before the update
+    grad_norm: float          # global gradient norm before clipping
+    step: int                 # steps applied, this one included
+    version: int              # weights version after this step (== step)
+    entropy: float | None     # batch action entropy if step_entropy_slot is set
+
+
+@dataclass(frozen=True)
+class EntropyResult:
+    entropy: float  # nats, in [0, ln N]
+    ema: float      # the slot's value after the update
+    slot: int       # the slot index written
+
+
+@dataclass(frozen=True)
+class ISVValue:
+    slot: int
+    name: str       # "" if the index has no name
+    value: float
+    observed: bool
+
+
+@dataclass
+class Prepared:
+    """A validated batch, maybe already on its way to the device (:meth:`Learner.prepare`).
+
+    A context manager: leaving it gives unused staging space back.
+
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
+    """
+
+    batch: Batch | PackedBatch
+    upload: Upload | None
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.upload is not None:
+            self.upload.close()
+
+
+def cuda_usable() -> tuple[bool, str]:
+    """(True, device name) when CuPy imports and sees a GPU, else (False, why not)."""
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError, CUDARuntimeError, missing driver…
+        return False, f"{type(exc).__name__}: {exc}"
+    if count < 1:
+        return False, "no CUDA device visible"
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    return True, props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+
+
+def make_backend(kind: str, config: LearnerConfig, state: LearnerState) -> Backend:
+    """Build the backend ``kind`` (auto|cuda|reference); auto says which it picked."""
+    if kind not in BACKENDS:
+        raise InvalidArgument("backend", f"must be one of {BACKENDS}, got {kind!r}")
+    if kind in ("auto", "cuda"):
+        ok, why = cuda_usable()
+        if ok:
+            from duelq.server.core.cuda import CudaBackend
+            backend: Backend = CudaBackend(config, state)
+            log.info("backend %s: cuda on %s", kind, backend.device)
+            return backend
+        if kind == "cuda":
+            raise RuntimeError(f"--backend cuda: no usable GPU ({why})")
+        log.info("backend auto: reference (NumPy), because CUDA is not usable: %s", why)
+    from duelq.server.core.reference import ReferenceBackend
+    return ReferenceBackend(config, state)
+
+
+class Learner:
+    """One Dueling-DQN learner: state on a backend, steps applied one at a time."""
+
+    def __init__(self, config: LearnerConfig, *, backend: str | Backend = "auto",
+                 state: LearnerState | None = None, max_batch_size: int = 65536):
+        if max_batch_size < 1:
+            raise InvalidArgument("max_batch_size", f"must be ≥ 1, got {max_batch_size}")
+        self.config = config
+        self.max_batch_size = max_batch_size
+        state = state if state is not None else LearnerState.initial(config)
+        self.backend = (backend if isinstance(backend, Backend)
+                        else make_backend(backend, config, state))
+        self.lock = threading.Lock()
+        """Serialises the backend's use: steps, reads, snapshots."""
+
+    @property
+    def step_count(self) -> int:
+        return self.backend.step
+
+    def prepare(self, batch: Batch) -> Prepared:
+        """Validate ``batch`` and start its copy to the device; no lock is taken."""
+        batch = validate_batch(batch, self.config, self.max_batch_size,
+                               check_values=not self.backend.checks_values,
+                               keep=self.backend.feature_dtypes)
+        return Prepared(batch, self.backend.upload(batch))
+
+    def prepare_packed(self, packed: PackedBatch) -> Prepared:
+        """:meth:`prepare` of a batch already in the packed layout, whose dtypes and shapes
+        were checked, all but against this learner: a backend that checks values itself
+        gets it as it is once H and B pass here; otherwise, and to word a refusal, it is
+        prepared as the :class:`Batch` of its arrays."""
+        backend = self.backend
+        if (backend.checks_values
+                and packed.hidden_dim == self.config.hidden_dim
+                and packed.size <= self.max_batch_size
+                and (packed.dtype == FEATURE_DTYPES[0] or packed.dtype in backend.feature_dtypes)):
+            return Prepared(packed, backend.upload(packed))
+        return self.prepare(packed.batch())
+
+    def step(self, batch: Batch | Prepared) -> StepResult:
+        """Validate ``batch`` (unless prepared), run one step, commit it unless it is
+        non-finite."""
+        prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
+        with prepared, self.lock:
+            out = self.backend.propose(prepared.batch, prepared.upload)
+            if not out.inputs_valid:  # the backend's check; the host names the culprit
+                self.backend.discard()
+                checked = prepared.batch
+                validate_batch(checked.batch() if type(checked) is PackedBatch else checked,
+                               self.config, self.max_batch_size)
+                raise RuntimeError("the backend reported an invalid input value the host "
+                                   "does not find")
+            if not out.finite:
+                self.backend.discard()
+                raise NonFiniteStep(
+                    f"step {self.backend.step + 1} refused: non-finite gradients or weights "
+                    f"(gradient norm {out.grad_norm:g}); the state is unchanged")
+            self.backend.commit()
+            step = self.backend.step
+        return StepResult(loss=out.loss, td_errors=out.td_errors, priorities=out.priorities,
+                          q_taken_mean=out.q_taken_mean, grad_norm=out.grad_norm,
+                          step=step, version=step, entropy=out.entropy)
+
+    def q_values(self, h: np.ndarray, target: bool = False) -> np.ndarray:
+        """[B, H] features → [B, N] float32 Q-values under θ (or θ⁻)."""
+        h = validate_features(h, self.config.hidden_dim, "h")
+        if h.shape[0] > self.max_batch_size:
+            raise ResourceExhausted(f"h: {h.shape[0]} rows exceed the limit "
+                                    f"{self.max_batch_size}")
+        with self.lock:
+            return self.backend.q_values(h, target)
+
+    def compute_entropy(self, actions: np.ndarray, slot: str | int,
+                        alpha: float) -> EntropyResult:
+        """Entropy of ``actions`` [M] folded into ISV ``slot`` as an EMA with rate α."""
+        index = self.config.slot_index(slot)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) \
+                or not 0 < alpha <= 1:
+            raise InvalidArgument("alpha", f"must be in (0, 1], got {alpha!r}")
+        actions = validate_actions(actions, self.config.n_actions,
+                                   max_len=self.max_batch_size)
+        with self.lock:
+            entropy, ema = self.backend.entropy(actions, index, float(alpha))
+        return EntropyResult(entropy=entropy, ema=ema, slot=index)
+
+    def weights(self, target: bool = False) -> tuple[Params, int]:
+        """Host copy of θ (or θ⁻) and its version."""
+        with self.lock:
+            return self.backend.weights(target), self.backend.step
+
+    def read_isv(self, slots: Iterable[str | int]) -> list[ISVValue]:
+        """Values of ISV slots given by name or index (empty → every named slot)."""
+        slots = list(slots) or sorted(self.config.isv_slots, key=self.config.isv_slots.get)
+        indices = np.array([self.config.slot_index(s) for s in slots], dtype=np.int64)
+        names = {i: n for n, i in self.config.isv_slots.items()}
+        with self.lock:
+            values, observed = self.backend.read_isv(indices)
+        return [ISVValue(int(i), names.get(int(i), ""), float(v), bool(o))
+                for i, v, o in zip(indices, values, observed)]
+
+    def snapshot(self) -> LearnerState:
+        """Host copy of the whole state (for checkpoints and tests)."""
+        with self.lock:
+            return self.backend.snapshot()
+
+    def load(self, state: LearnerState) -> None:
+        """Replace the whole state, e.g. from a checkpoint."""
+        with self.lock:
+            self.backend.load(state)

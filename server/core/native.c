@@ -1,0 +1,142 @@
+/* native.c: the CUDA backend's per-step host calls in C (server/core/native.py builds and
+ * loads it; the structs below are read by native.py to make their ctypes twins).
+ *
+ * From Python, a step crossed CuPy's wrappers eight times and released the GIL at each; here
+ * an upload (copy, event) and a step (wait, launch, copy back, sync, block totals) are one
+ * ctypes call each.  The driver's entry points come from the libcuda that CuPy has loaded;
+ * no CUDA header is needed to build this file, only a C compiler.
+ */
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+typedef int CUresult;
+typedef void *CUstream, *CUevent, *CUfunction;
+typedef unsigned long long CUdeviceptr;
+
+static CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t, CUstream);
+static CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t, CUstream);
+static CUresult (*launch_cooperative)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                                      unsigned, unsigned, unsigned, CUstream, void **);
+static CUresult (*event_record)(CUevent, CUstream);
+static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
+static CUresult (*stream_synchronize)(CUstream);
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Resolve the driver's entry points; 0 on success, else the 1-based index of the one
+ * missing (-1: no libcuda.so.1). */
+int duelq_init(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (cuda == NULL) return -1;
+    struct { void **fn; const char *name; } entries[] = {
+        {(void **)&memcpy_htod, "cuMemcpyHtoDAsync_v2"},
+        {(void **)&memcpy_dtoh, "cuMemcpyDtoHAsync_v2"},
+        {(void **)&launch_cooperative, "cuLaunchCooperativeKernel"},
+        {(void **)&event_record, "cuEventRecord"},
+        {(void **)&stream_wait_event, "cuStreamWaitEvent"},
+        {(void **)&stream_synchronize, "cuStreamSynchronize"},
+    };
+    for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
+        *entries[i].fn = dlsym(cuda, entries[i].name);
+        if (*entries[i].fn == NULL) return (int)i + 1;
+    }
+    return 0;
+}
+
+/* An upload slot's stream and the event that marks the end of its last copy. */
+struct duelq_upload {
+    CUstream stream;
+    CUevent copied;
+};
+
+/* A packed batch's words (host ``src``, pinned) to the device at ``dst`` on the upload's
+ * stream; the upload's event marks the copy's end. */
+int duelq_copy(const struct duelq_upload *u, CUdeviceptr dst, const void *src, size_t nbytes) {
+    CUresult r = memcpy_htod(dst, src, nbytes, u->stream);
+    if (r == 0) r = event_record(u->copied, u->stream);
+    return r;
+}
+
+/* parts [5][blocks] float32 → totals [5] float64: each row added in block order, row 1
+ * (the blocks' slice norms) squared first: the finite flags, ‖g‖², the loss sum, the Q
+ * sum, the inputs-valid flags (built with -ffp-contract=off: no fused multiply-adds). */
+void duelq_block_totals(const float *parts, int blocks, double *totals) {
+    for (int row = 0; row < 5; ++row) {
+        double sum = 0.0;
+        for (int g = 0; g < blocks; ++g) {
+            double v = parts[row * blocks + g];
+            sum += row == 1 ? v * v : v;
+        }
+        totals[row] = sum;
+    }
+}
+
+/* One learner step: wait for the upload's event (if any), the cooperative launch of
+ * learner_step, its outputs back to the pinned host buffer, the stream's sync, then the
+ * block totals.  The stream is synchronized even when an earlier call failed, so nothing
+ * still reads the upload's buffers when this returns. */
+struct duelq_step {
+    CUfunction fn;
+    unsigned blocks, threads, smem;
+    void **params;         /* learner_step's parameter array */
+    CUstream stream;
+    CUevent wait;          /* NULL: the inputs were staged on the stream itself */
+    void *out;             /* the pinned host outputs */
+    CUdeviceptr out_device;
+    size_t out_bytes;
+    const float *parts;    /* in out: the [5][blocks] partials */
+    double totals[5];
+    double synced_s;       /* seconds the sync waited for the device */
+};
+
+int duelq_step(struct duelq_step *s) {
+    CUresult r = s->wait != NULL ?
+        stream_wait_event(s->stream, s->wait, 0) : 0;
+    if (r == 0) r = launch_cooperative(s->fn, s->blocks, 1, 1, s->threads, 1, 1, s->smem,
+                                      s->stream, s->params);
+    if (r == 0) r = memcpy_dtoh(s->out, s->out_device, s->out_bytes, s->stream);
+    double start = seconds();
+    CUresult synced = stream_synchronize(s->stream);
+    s->synced_s = seconds() - start;
+    if (r == 0) r = synced;
+    if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);
+    return r;
+}
+
+/* duelq_stream_copy: src[offset, offset + n) to dst, its whole 64-byte blocks from dst's
+ * first 16-byte boundary on with non-temporal stores (the ≤ 15 bytes before and ≤ 63 after
+ * with memcpy), which go to memory without taking cache lines: a front process writes a batch
+ * into its relay slot for the device's copy engine alone to read, and a cached write would
+ * evict what the learner process's thread works on from the cache they share.  Fenced, so the bytes are visible before whatever this
+ * thread writes next (the frame that names the slot).  Without SSE2: memcpy. */
+void duelq_stream_copy(unsigned char *dst, const char *src, size_t offset, size_t n) {
+    src += offset;
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    _mm_sfence();
+#endif
+    memcpy(dst, src, n);
+}

@@ -1,0 +1,718 @@
+"""``--front-processes``: gRPC in this process, the learner in a second one.
+
+One Python process tops out near 1300 train steps/s whatever the GPU does: gRPC's
+own per-message work and the learner's (parse, checks, copy, launch, encode) take
+turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
+
+* this process (the front) binds the public port and serves health, reflection and
+  the bearer-token check.  TrainStep and TrainStream requests go into a shared-memory
+  slot, their arrays already in the step kernel's input layout where their dtypes and
+  shapes allow (server/packing.py), else their bytes as they came, and a frame tells the
+  learner process (server/relay.py).  A stream keeps reading while earlier requests are
+  learned on;
+* the learner process is an ordinary :class:`LearnerServer` bound to a private
+  Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
+  the same service code.  The small rpcs (``RELAYED_CALLS``: Act, GetWeights …) travel
+  whole over the relay too, run between two steps; SaveCheckpoint is forwarded to the
+  private socket as raw bytes.  Checkpoints, idempotency keys and /metrics live there.
+
+With ``front_processes`` = K > 1, K − 1 more front processes bind the same port
+(SO_REUSEPORT: the kernel spreads incoming connections over the K), each with a GIL of
+its own.  Each connects to the learner process's relay socket in the private directory
+and hands it a slot pool of its own; the learner process takes requests from every front
+on its one relay thread (which reads every front's frames), in arrival order.  The first
+front starts and stops the others.
+
+Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING (the other fronts too), asks
+the learner process to drain and write its final checkpoint, then stops gRPC.  If the
+learner process dies, health turns NOT_SERVING, open calls get UNAVAILABLE and
+:attr:`broken` is set.  Another front that dies takes its connections with it (their
+clients reconnect to the rest); the first front's death stops the learner process and
+the other fronts.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import wait as wait_for
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from duelq.v1 import learner_pb2 as pb
+
+from duelq.server.core.checkpoint import CheckpointError
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.errors import ResourceExhausted
+from duelq.server.core.native import stream_copy
+from duelq.server.logs import setup_logging
+from duelq.server.fronts.packing import Packer
+from duelq.server.fronts.relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
+from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
+                     auth_interceptors, bind, grpc_server, local_target, set_health)
+from duelq.server.service import RELAYED_CALLS, TrainJob, refusal, too_many_streams
+
+log = logging.getLogger(__name__)
+
+TRAIN = ("TrainStep", "TrainStream")
+FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name
+                  if name not in TRAIN)
+START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
+STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
+FRONT_START_TIMEOUT_S = 60.0
+STOP_ACK_TIMEOUT_S = 5.0    # for another front to take in that the learner is stopping
+_STARTING = "the learner's backend is still starting; retry shortly"
+LEARNER_SOCKET, RELAY_SOCKET = "learner.sock", "relay.sock"   # in the private directory
+
+
+class LearnerProcessError(RuntimeError):
+    """The learner process could not start (the message says why)."""
+
+
+def _port_free(host: str, port: int) -> None:
+    """OSError when a server listens on ``host:port``.  The fronts bind it with SO_REUSEPORT,
+    which would otherwise share it silently with another such server of the same user."""
+    if port == 0:
+        return
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as grpc binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {host}:{port}: {exc.strerror} (is another "
+                              f"server there?)") from exc
+
+
+def _reply_payload(context: grpc.ServicerContext, code: grpc.StatusCode, payload: bytes) -> bytes:
+    """A relayed reply's payload: the response's bytes when OK, else the rpc ends with
+    ``code`` and the payload as its details."""
+    if code is not grpc.StatusCode.OK:
+        context.abort(code, payload.decode(errors="replace"))
+    return payload
+
+
+def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota
+    (``cpu_max``; what ``docker run --cpus`` sets), rounded up."""
+    count = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        if quota != "max":
+            count = min(count, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):   # no cgroup v2 file, or not in that form
+        pass
+    return count
+
+
+def slot_pool_size(options: ServerOptions) -> tuple[int, int]:
+    """(slots, bytes per slot) of each front's pool, from the server's limits: 2 · max_queue
+    slots over all fronts (at least 4 each), so the requests in flight to the learner process
+    follow the queue limit, of max_message_bytes / 8 each (8 MiB by default: a packed
+    B = 4096, H = 128 float32 batch); a request that does not fit goes through the socket
+    (slower, the same result)."""
+    return (max(4, -(-2 * options.max_queue // options.front_processes)),
+            options.max_message_bytes // 8)
+
+
+def _slot_pool(options: ServerOptions, fd: int | None = None) -> SlotPool:
+    """A front's slot pool: a new one, or the one shared as ``fd``."""
+    return SlotPool(*slot_pool_size(options), fd)
+
+
+def _page_lock(server: LearnerServer, slots: SlotPool) -> None:
+    """Let the backend upload straight from ``slots`` (cuda page-locks them)."""
+    try:
+        server.learner.backend.pin(slots.bytes)
+    except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
+        log.warning("cannot page-lock a relay slot pool (%s); uploads are staged", exc)
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    left = context.time_remaining()
+    return None if left is None or left > 1e6 else time.monotonic() + left
+
+
+class FrontServer:
+    """The public gRPC server of ``--front-processes``; the learner runs in a child process.
+
+    ``index`` > 0: one of the other front processes of ``front_processes`` (started by the
+    first, see :func:`front_main`), which joins a running learner process."""
+
+    def __init__(self, options: ServerOptions, *, index: int = 0):
+        self.options, self.index = options, index
+        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._denied),
+                                   share_port=options.front_processes > 1)
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
+                    for name in FORWARDED}
+        handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
+        handlers["TrainStream"] = grpc.stream_stream_rpc_method_handler(self._train_stream)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.health = add_health_and_reflection(self._server)
+        self.port: int | None = None
+        self.broken = threading.Event()
+        """Set when the learner process died (not on an orderly stop)."""
+        # 0700: the learner's sockets (the other fronts are given the first one's)
+        self._dir = Path(tempfile.mkdtemp(prefix="duelq-")) if index == 0 else None
+        self._relay: RelayFront | None = None
+        self._channel: grpc.Channel | None = None
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._process = None
+        self._conn = None
+        self._slots: SlotPool | None = None
+        self._sock: socket.socket | None = None
+        self._stopping = False
+        self._stop_coming = False   # the first front is stopping the learner process
+        self._fronts: list[tuple] = []   # the other front processes: (process, pipe)
+        self._reaping = threading.Lock()   # one join at a time: two would race in waitpid
+        # Refused at open, as the one-process server does (the learner process counts too).
+        self._streams = threading.BoundedSemaphore(options.max_streams)
+
+    @property
+    def target(self) -> str:
+        return local_target(self.options.host, self.port)
+
+    def start(self) -> int:
+        """Bind the public port and serve health (NOT_SERVING) and reflection."""
+        if self.index == 0 and self.options.front_processes > 1:
+            _port_free(self.options.host, self.options.port)
+            cpus = usable_cpus()
+            if self.options.front_processes >= cpus:
+                log.warning("%d front processes and the learner process on %d CPUs share "
+                            "cores (the Docker image's 8 were measured on 16): consider "
+                            "--front-processes %d (DUELQ_FRONT_PROCESSES)",
+                            self.options.front_processes, cpus, max(1, cpus // 2))
+        self.port = bind(self._server, self.options)
+        self._server.start()
+        log.info("listening on %s:%d (%s), front process %d of %d; health NOT_SERVING until "
+                 "the learner process is ready", self.options.host, self.port,
+                 "TLS" if self.options.tls_cert else "plaintext", self.index + 1,
+                 self.options.front_processes)
+        return self.port
+
+    def serve_learner(self, config: LearnerConfig, *, backend: str = "auto") -> dict:
+        """Start the learner process (resuming from ``checkpoint_dir``) and report SERVING.
+
+        Returns what it says of itself (backend, device, step).  Raises
+        :class:`CheckpointError` or :class:`LearnerProcessError` when it cannot start.
+        """
+        o = self.options
+        self._slots = slots = _slot_pool(o)
+        mine, theirs = socket.socketpair()
+        self._sock = mine
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        uds = f"unix:{self._dir / LEARNER_SOCKET}"
+        self._process = ctx.Process(
+            target=learner_main, name="duelq-learner", daemon=True,
+            args=(child, theirs, config, o, backend, uds, _log_setup()))
+        self._process.start()
+        child.close()
+        theirs.close()
+        socket.send_fds(mine, [b"m"], [slots.fd])
+        if not self._conn.poll(START_TIMEOUT_S):
+            raise LearnerProcessError(f"the learner process did not start in "
+                                      f"{START_TIMEOUT_S:g} s")
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            raise LearnerProcessError("the learner process exited while starting "
+                                      "(see its log above)") from None
+        if kind == "checkpoint":
+            raise CheckpointError(*info)
+        if kind != "ready":
+            raise LearnerProcessError(info)
+        self._connect(mine, slots)
+        self._start_fronts(ctx)
+        set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s from %s: learner process %d, backend %s on %s, step %d",
+                 SERVICE_NAME, "a front process" if o.front_processes == 1 else
+                 f"{o.front_processes} front processes", self._process.pid, info["backend"],
+                 info["device"], info["step"])
+        return info
+
+    def _connect(self, sock: socket.socket, slots: SlotPool) -> None:
+        """Relay train requests and the small rpcs over ``sock`` (slots in ``slots``) and
+        forward the others (SaveCheckpoint) to the learner process's private socket."""
+        size = self.options.max_message_bytes
+        self._channel = grpc.insecure_channel(f"unix:{self._dir / LEARNER_SOCKET}", options=[
+            ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
+        self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
+                       for name in FORWARDED}
+        self._relay = RelayFront(sock, slots, Packer(stream_copy()).pack)
+        self._relay.on_close = self._learner_gone
+
+    def _start_fronts(self, ctx) -> None:
+        """Start the other front processes on this port; return once each serves."""
+        o = replace(self.options, port=self.port)
+        for index in range(1, o.front_processes):
+            conn, child = ctx.Pipe()
+            process = ctx.Process(target=front_main, name=f"duelq-front-{index + 1}", daemon=True,
+                                  args=(child, o, str(self._dir), _log_setup(), index))
+            process.start()
+            child.close()
+            self._fronts.append((process, conn))
+        for index, (process, conn) in enumerate(self._fronts, 1):
+            try:
+                answer = (conn.recv() if conn.poll(FRONT_START_TIMEOUT_S)
+                          else ("error", f"no answer in {FRONT_START_TIMEOUT_S:g} s"))
+            except (EOFError, OSError):
+                answer = ("error", "it exited while starting (see its log above)")
+            if answer[0] != "ready":
+                raise LearnerProcessError(f"front process {index + 1} did not start: "
+                                          f"{answer[1]}")
+            threading.Thread(target=self._watch_front, args=(process, index), daemon=True,
+                             name=f"duelq-front-watch-{index}").start()
+
+    def _watch_front(self, process, index: int) -> None:
+        wait_for([process.sentinel])   # not join: stop() may be reaping it meanwhile
+        if self._stopping or self.broken.is_set():
+            return
+        with self._reaping:
+            process.join(0)
+        log.error("front process %d (pid %d) exited with code %s: its connections are gone, "
+                  "the other fronts serve on", index + 1, process.pid, process.exitcode)
+
+    def join_learner(self, directory: Path) -> None:
+        """(Another front process.) Connect to the learner process that the first front
+        started, whose sockets are in ``directory``, and report SERVING."""
+        o = self.options
+        self._dir = directory
+        self._slots = slots = _slot_pool(o)
+        self._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(directory / RELAY_SOCKET))
+        socket.send_fds(sock, [b"m"], [slots.fd])
+        self._connect(sock, slots)
+        set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s: front process %d of %d", SERVICE_NAME, self.index + 1,
+                 o.front_processes)
+
+    def expect_stop(self) -> None:
+        """(Another front process.) The first front is about to stop the learner process:
+        its going is no fault."""
+        self._stop_coming = True
+
+    def _learner_gone(self) -> None:
+        if not (self._stopping or self._stop_coming):
+            log.error("the learner process went away: NOT_SERVING")
+            set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.broken.set()
+
+    def stop(self, grace_s: float | None = None, *,
+             learner_drains: bool = True) -> tuple[Path, int] | None:
+        """NOT_SERVING; the learner process drains and writes its final checkpoint; gRPC
+        stops after ``grace_s``.  Returns that checkpoint's (path, step), or None.
+
+        Another front process (``index`` > 0) waits, while ``learner_drains``, for the learner
+        process to end (its requests are drained too) before it stops gRPC."""
+        if self._stopping:
+            return None
+        self._stopping = True
+        self.health.enter_graceful_shutdown()
+        grace = self.options.grace_s if grace_s is None else grace_s
+        saved = failure = None
+        try:
+            for _, conn in self._fronts:
+                _tell(conn, "stop")
+            for _, conn in self._fronts:   # each expects the learner process to go
+                _answered(conn, STOP_ACK_TIMEOUT_S)
+            if self.index > 0:
+                if learner_drains and self._relay is not None:
+                    self._relay.closed.wait(STOP_TIMEOUT_S)
+            elif self._process is not None and self._process.is_alive():
+                saved, failure = self._stop_learner()
+                self._process.join(30)
+                if self._process.is_alive():
+                    log.error("the learner process did not exit: killing it")
+                    self._process.kill()
+        finally:
+            if self._relay is not None:
+                self._relay.close()   # open calls get UNAVAILABLE
+            elif self._sock is not None:
+                self._sock.close()
+            if self._channel is not None:
+                self._channel.close()
+            self._server.stop(grace).wait()
+            if self._slots is not None:   # after the handlers that write into it
+                self._slots.close()
+            for index, (process, _) in enumerate(self._fronts, 2):
+                with self._reaping:
+                    process.join(grace + 30)
+                    if process.is_alive():
+                        log.error("front process %d did not exit: killing it", index)
+                        process.kill()
+            if self.index == 0:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            log.info("stopped")
+        if failure is not None:
+            raise failure
+        return saved
+
+    def _stop_learner(self) -> tuple[tuple[Path, int] | None, Exception | None]:
+        """Ask the learner process to drain and checkpoint: (saved, failure)."""
+        try:
+            self._conn.send("stop")
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while self._conn.poll(max(deadline - time.monotonic(), 0.0)):
+                kind, answer = self._conn.recv()   # skips a late "ready"
+                if kind == "stopped":
+                    return answer, None
+                if kind == "checkpoint":
+                    return None, CheckpointError(*answer)
+            log.error("the learner process did not stop in %g s", STOP_TIMEOUT_S)
+        except (EOFError, OSError):
+            log.error("the learner process died while stopping")
+        return None, None
+
+    # ── rpcs ─────────────────────────────────────────────────────────────────────────
+
+    def _open(self, context: grpc.ServicerContext, *, unary: bool) -> FrontStream:
+        relay = self._relay
+        try:
+            if relay is None:
+                raise RelayClosed(_STARTING)
+            stream = relay.open(unary=unary, deadline=_deadline(context))
+        except RelayClosed as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Cancelled or past its deadline: END at once, so requests not started are not
+        # applied (the one-process server's rule) and a wait for a free slot ends.
+        context.add_callback(stream.close)
+        return stream
+
+    def _train_step(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        stream = self._open(context, unary=True)
+        try:
+            stream.submit(request)
+            stream.done_sending()
+            for code, payload in stream.replies():
+                return _reply_payload(context, code, payload)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away")
+        finally:
+            stream.close()
+
+    def _train_stream(self, requests: Iterator[bytes],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        if not self._streams.acquire(blocking=False):
+            code, details = refusal(ResourceExhausted(too_many_streams(self.options.max_streams)),
+                                    "TrainStream", context.peer())
+            self._refused("TrainStream", code)
+            context.abort(code, details)
+        try:
+            yield from self._relay_stream(requests, context)
+        finally:
+            self._streams.release()
+
+    def _relay_stream(self, requests: Iterator[bytes],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        stream = self._open(context, unary=False)
+
+        def feed() -> None:   # keeps reading while earlier requests are learned on
+            try:
+                for data in requests:
+                    if not stream.submit(data):
+                        break
+            except Exception:  # noqa: BLE001 — the rpc ended (cancelled, aborted, deadline)
+                pass
+            finally:
+                stream.done_sending()
+        threading.Thread(target=feed, name="duelq-front-feed", daemon=True).start()
+        try:
+            for code, payload in stream.replies():
+                yield _reply_payload(context, code, payload)
+            if not self._relay.alive:   # requests may have been dropped unanswered
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away; "
+                              "retry with the same keys")
+        finally:
+            stream.close()
+
+    def _denied(self, method: str) -> None:
+        """A token refusal of ``method`` (its path): counted for the Learner's rpcs, as the
+        one-process server's metrics count them (not reflection's)."""
+        service, _, name = method.rpartition("/")
+        if service == f"/{SERVICE_NAME}":
+            self._refused(name, grpc.StatusCode.UNAUTHENTICATED)
+
+    def _refused(self, method: str, code: grpc.StatusCode) -> None:
+        """Count an rpc refused here in the learner process's metrics, once it runs."""
+        if self._relay is not None:
+            self._relay.report_refusal(method, code)
+
+    def _forward(self, name: str):
+        """A handler passing ``name``'s request bytes to the learner process and back: over
+        the relay for the small rpcs (RELAYED_CALLS), else over gRPC."""
+        if name in RELAYED_CALLS:
+            method = RELAYED_CALLS.index(name)
+
+            def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
+                if self._relay is None:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
+                reply = self._relay.call(method, request, _deadline(context),
+                                         context.add_callback)
+                return _reply_payload(context, *reply)
+            return relayed
+
+        def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+            call = self._calls.get(name)
+            if call is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
+            deadline = _deadline(context)
+            future = call.future(request, timeout=None if deadline is None else
+                                 max(deadline - time.monotonic(), 0.0))
+            context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
+            try:
+                return future.result()
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), exc.details())
+        return forward
+
+
+# ── the learner process ──────────────────────────────────────────────────────────────
+
+
+def _log_setup() -> tuple[str, str]:
+    """(level, format) of this process's logging, for the learner process to copy."""
+    root = logging.getLogger()
+    json_lines = any(type(h.formatter).__name__ == "JsonFormatter" for h in root.handlers)
+    return logging.getLevelName(root.level), "json" if json_lines else "text"
+
+
+def front_main(conn, options: ServerOptions, directory: str, log_setup: tuple[str, str],
+               index: int) -> None:
+    """Another front process of ``front_processes``: serve the port beside the first front
+    until it says stop (or goes away), or the learner process dies."""
+    setup_logging(*log_setup, role=f"front-{index + 1}")
+    for signum in (signal.SIGINT, signal.SIGTERM):   # the first front decides when to stop
+        signal.signal(signum, signal.SIG_IGN)
+    front = FrontServer(options, index=index)
+    try:
+        front.start()
+        front.join_learner(Path(directory))
+    except Exception as exc:  # noqa: BLE001 — reported to the first front
+        _tell(conn, ("error", f"{type(exc).__name__}: {exc}"))
+        front.stop(0, learner_drains=False)
+        return
+    _tell(conn, ("ready", os.getpid()))
+    asked = False
+    while not front.broken.is_set():
+        if conn.poll(0.2):
+            try:
+                asked = conn.recv() == "stop"
+            except (EOFError, OSError):   # the first front is gone
+                pass
+            break
+    if asked:
+        front.expect_stop()
+        _tell(conn, "stopping")
+    front.stop(learner_drains=asked)
+
+
+def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
+                 backend: str, address: str, log_setup: tuple[str, str]) -> None:
+    """The learner process: a LearnerServer on ``address`` plus the relay's learner end.  On
+    its way out it removes its sockets and their folder, which a killed front cannot."""
+    path = Path(address.removeprefix("unix:"))
+    try:
+        _serve_relayed(conn, sock, config, options, backend, address, log_setup)
+    finally:
+        path.unlink(missing_ok=True)
+        (path.parent / RELAY_SOCKET).unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()   # only if empty: nothing else is removed
+        except OSError:
+            pass
+
+
+def _answered(conn, timeout: float) -> None:
+    """Wait up to ``timeout`` for a word on ``conn`` (or its end) and take it."""
+    try:
+        if conn.poll(timeout):
+            conn.recv()
+    except (EOFError, OSError):   # that front is gone
+        pass
+
+
+def _tell(conn, message) -> bool:
+    """Send ``message`` to the front; False when it is gone."""
+    try:
+        conn.send(message)
+        return True
+    except OSError:
+        return False
+
+
+def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
+                   backend: str, address: str, log_setup: tuple[str, str]) -> None:
+    setup_logging(*log_setup, role="learner")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the front decides when to stop
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    slots = _slot_pool(options, fds[0])
+    private = replace(options, token="", token_file="", tls_cert="", tls_key="",
+                      tls_client_ca="", front_processes=0)
+    server = LearnerServer(private)
+    try:
+        server.start(address)
+        server.serve_learner(config, backend=backend)
+    except CheckpointError as exc:
+        _tell(conn, ("checkpoint", (str(exc.path), exc.problem)))
+        server.stop(0)
+        return
+    except Exception as exc:  # noqa: BLE001 — reported to the front, which exits with it
+        _tell(conn, ("error", str(exc)))
+        server.stop(0)
+        return
+    service, metrics = server.service, server.metrics
+    _page_lock(server, slots)
+
+    def apply(job: TrainJob, call) -> bytes:
+        response = service.apply_train(job, call, encoded=True)
+        if metrics is not None:   # the latency from the request's arrival in this process
+            metrics.observe_answer(response, call.arrived)
+        return response.SerializeToString()
+
+    def refused(method: str, code: str) -> None:   # here, or by the front (token, max_streams)
+        if metrics is not None:
+            metrics.refused.labels(method, code).inc()
+
+    def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
+        name = "TrainStep" if unary else "TrainStream"
+        code, details = refusal(exc, name, "relay")
+        refused(name, code.name)
+        return code, details
+
+    def call(method: int, request: bytes, context) -> tuple[grpc.StatusCode, bytes]:
+        if not 0 <= method < len(RELAYED_CALLS):
+            return grpc.StatusCode.UNIMPLEMENTED, f"no relayed method {method}".encode()
+        name = RELAYED_CALLS[method]
+        try:
+            return grpc.StatusCode.OK, service.call_relayed(name, request, context)
+        except Exception as exc:  # noqa: BLE001 — answered, as the gRPC server would
+            code, details = refusal(exc, name, "relay")
+            refused(name, code.name)
+            return code, details.encode()
+
+    def open_stream() -> None:
+        service.open_stream()
+        if metrics is not None:
+            metrics.active_streams.inc()
+
+    def close_stream() -> None:
+        service.close_stream()
+        if metrics is not None:
+            metrics.active_streams.dec()
+
+    counters: list = []   # duelq_relayed_requests of each front, by index
+
+    def relayed(index: int) -> None:
+        if metrics is not None:
+            while len(counters) <= index:
+                counters.append(metrics.relayed.labels(str(len(counters) + 1)))
+            counters[index].inc()
+
+    relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
+                         open_stream=open_stream, close_stream=close_stream,
+                         prepare_packed=service.relay_prepare_packed, call=call,
+                         depth=metrics.queue_depth if metrics is not None else None,
+                         refused=refused, relayed=relayed)
+    relay.start()
+    listener = None
+    if options.front_processes > 1:   # the other fronts connect here, each with its slots
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(Path(address.removeprefix("unix:")).parent / RELAY_SOCKET))
+        listener.listen()
+        threading.Thread(target=_accept_fronts, args=(listener, relay, options, server),
+                         name="duelq-relay-accept", daemon=True).start()
+    learner = server.learner
+    ready = _tell(conn, ("ready", {"backend": learner.backend.name,
+                                   "device": learner.backend.device,
+                                   "step": learner.step_count}))
+    asked = False   # by the front ("stop") or by SIGTERM
+    while ready and not (stop.is_set() or relay.closed.is_set()):
+        if conn.poll(0.2):
+            try:
+                asked = conn.recv() == "stop"
+            except (EOFError, OSError):   # the front is gone (a reset, when it was killed)
+                pass
+            break
+    orphaned = not (asked or stop.is_set())
+    if orphaned:  # like a crash of the server: a successor may already be resuming
+        log.warning("the front process went away: stopping without a final checkpoint")
+    try:
+        saved = server.stop(final_checkpoint=not orphaned)
+        answer = ("stopped", saved)
+    except CheckpointError as exc:
+        answer = ("checkpoint", (str(exc.path), exc.problem))
+    _tell(conn, answer)
+    if listener is not None:
+        try:
+            listener.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread
+        except OSError:
+            pass
+        listener.close()
+    relay.close()   # the slot pools (page-locked on cuda) go with the process
+
+
+def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: ServerOptions,
+                   server: LearnerServer) -> None:
+    """Attach each of the other front processes as it connects, with the slot pool it sends
+    (``front_processes`` − 1 of them; then the listener closes)."""
+    joined = 0
+    while joined < options.front_processes - 1:
+        try:
+            sock, _ = listener.accept()
+        except OSError:   # closed: the learner process is stopping
+            return
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            slots = _slot_pool(options, fds[0])
+        except (OSError, IndexError, ValueError) as exc:
+            log.warning("a front process's relay connection failed: %s", exc)
+            sock.close()
+            continue
+        _page_lock(server, slots)
+        log.info("front process %d joined the relay", relay.attach(sock, slots) + 1)
+        joined += 1
+    listener.close()
+
+
+def make_server(options: ServerOptions, *,
+                interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
+    """A :class:`LearnerServer`, or a :class:`FrontServer` with ``front_processes``; not
+    started."""
+    if not options.front_processes:
+        return LearnerServer(options, interceptors=interceptors)
+    if interceptors:
+        raise ValueError("interceptors are not supported with front processes")
+    return FrontServer(options)
+
+
+def start_server(config: LearnerConfig, options: ServerOptions, *, backend: str = "auto",
+                 interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> LearnerServer:
+    """Start a server (a :class:`FrontServer` with ``front_processes``), build (or resume)
+    the learner on ``backend``; SERVING on return."""
+    server = make_server(options, interceptors=interceptors)
+    try:
+        server.start()
+        server.serve_learner(config, backend=backend)
+    except BaseException:
+        server.stop(0)
+        raise
+    return server
