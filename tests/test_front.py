@@ -175,7 +175,7 @@ def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, capl
 
 
 def test_token_health_metrics_and_info(tmp_path):
-    front = start_server(SMALL, ServerOptions(port=0, token="s3cret",
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=1, token="s3cret",
                                               metrics_port=_free_port()), backend="reference")
     try:
         channel = grpc.insecure_channel(front.target)
@@ -774,7 +774,7 @@ def test_stop_writes_the_final_checkpoint_and_a_restart_keeps_keys(tmp_path):
 
 
 def test_refuses_to_start_over_another_configs_checkpoint(tmp_path):
-    start_server(SMALL, ServerOptions(port=0, checkpoint_dir=str(tmp_path)),
+    start_server(SMALL, ServerOptions(port=0, front_processes=1, checkpoint_dir=str(tmp_path)),
                  backend="reference").stop()
     other = LearnerConfig(hidden_dim=SMALL.hidden_dim + 1, n_actions=SMALL.n_actions)
     with pytest.raises(CheckpointError, match="config mismatch"):
@@ -818,7 +818,7 @@ def test_failing_cancelled_and_expired_streams_leave_it_serving():
     later requests are still arriving, ends alone: the learner process keeps serving, and
     nothing is applied after the failure or after the call ended, and no handler thread
     is left waiting (with max_rpcs 3, a leaked one per stream would soon refuse calls)."""
-    front = start_server(SMALL, ServerOptions(port=0, max_streams=2,
+    front = start_server(SMALL, ServerOptions(port=0, front_processes=1, max_streams=2,
                                               max_rpcs=3), backend="reference")
     try:
         stub = _stub(front.target)

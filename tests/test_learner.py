@@ -292,12 +292,3 @@ def test_shape_only_validation_leaves_values_but_not_wide_actions():
         validate_batch(dataclasses.replace(b, actions=wraps), CONFIG, 64, check_values=False)
     assert validate_batch(dataclasses.replace(b, actions=b.actions.astype(np.uint8)), CONFIG, 64,
                           check_values=False).actions.dtype == np.int32
-
-
-def test_native_host_calls_asked_of_the_reference_backend_are_a_warning(caplog):
-    from duelq.server.core.learner import make_backend
-    config = small_config()
-    with caplog.at_level("WARNING", logger="duelq.server.learner"):
-        backend = make_backend("reference", config, LearnerState.initial(config), native=True)
-    assert backend.name == "reference"
-    assert "only the cuda backend has them" in caplog.text

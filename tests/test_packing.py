@@ -210,9 +210,9 @@ def _both(service: LearnerService, data: bytes) -> tuple:
         parsed = pb.TrainResponse.FromString(response.SerializeToString())
         assert parsed.SerializeToString() == response.SerializeToString()   # canonical
         return parsed
-    packed = answer(service, lambda: service.relay_prepare_packed(
-        descriptor, memoryview(slot), slot.ctypes.data), True)
-    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False, None), False)
+    packed = answer(service, lambda: service.relay_prepare_packed(*read_packed(
+        descriptor, memoryview(slot), slot.ctypes.data)), True)
+    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False), False)
     return packed, unpacked
 
 

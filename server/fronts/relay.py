@@ -479,7 +479,7 @@ Call = Callable[[int, bytes, RelayCall], tuple[grpc.StatusCode, bytes]]
 AHEAD = 1
 
 
-def _no_packed(descriptor: bytes, data: memoryview, address: int) -> Job:
+def _no_packed(packed: PackedBatch, key: bytes) -> Job:
     raise RuntimeError("a packed request reached a relay that takes none")
 
 
