@@ -85,7 +85,7 @@ class Task:
 
 def greedy(params, h: np.ndarray) -> np.ndarray:
     """argmax_a Q(h)[a] of the dueling head; the V and mean-A terms do not change it."""
-    return (h @ params.W_a + params.b_a).argmax(axis=1)     # [B]
+    return (h @ params.w_a + params.b_a).argmax(axis=1)     # [B]
 
 
 def actor(index: int, args: argparse.Namespace, task: Task, n_actions: int,

@@ -1,7 +1,11 @@
 """LearnerClient: what a remote actor uses to train, act and read a duelq learner.
 
 Numpy in, numpy out.  Batches are checked locally (dtypes, shapes, lengths)
-before anything is sent; values (ranges, NaN) are the server's to check.
+before anything is sent; values (ranges, NaN) are the server's to check.  The dtype
+contract is the server's (learner.proto, ``duelq.wire.types.FIELD_DTYPES``): an array in
+a wire dtype goes as it is, and one its field does not take is refused here in the
+server's words; NumPy's other dtypes (float64, int64, …) are narrowed to the field's
+first wire dtype of their kind (float32, int32) where the field takes that kind.
 Every state-changing request carries an idempotency key (``actor_id``, seq):
 on UNAVAILABLE the client backs off and resends with the same key, so a step
 that did reach the server is not applied twice.  Every ``grpc.RpcError`` is
@@ -33,10 +37,10 @@ from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from duelq.client import errors
 from duelq.wire import tensors
-from duelq.wire.tensors import floating, varint
-from duelq.wire.types import Batch, Params
+from duelq.wire.tensors import WIRE_DTYPES, floating, varint
+from duelq.wire.types import FIELD_DTYPES, PARAM_NAMES, Batch, Params, spell, wrong_dtype
 
-FEATURE_WIRE_DTYPES = ("float32", "float16", "bfloat16")
+FEATURE_WIRE_DTYPES = FIELD_DTYPES["h"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class ActResult:
 
 @dataclass(frozen=True)
 class Weights:
-    params: Params   # float32 w_v [H], b_v [1], W_a [H, N], b_a [N]
+    params: Params   # float32 w_v [H], b_v [1], w_a [H, N], b_a [N]
     version: int
     step: int
     target: bool
@@ -120,37 +124,27 @@ decode, encode, tensor_fields, tensor_wire = map(_local, (
     tensors.decode, tensors.encode, tensors.tensor_fields, tensors.tensor_wire))
 
 
-#: dtype kinds each vector may have (numpy kind codes: f float, i/u integer, b bool).
-VECTOR_KINDS = {"actions": "iu", "rewards": "f", "dones": "fiub", "discounts": "f",
-                "weights": "f"}
-
-
-#: Vector dtypes sent as they are (the rest are widened or narrowed to these).
-_SENT_AS_IS = frozenset(map(np.dtype, (np.float32, np.float16, np.int32, np.uint8, np.bool_)))
 _FEATURE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 
 
 def _vector(name: str, value, rows: int) -> np.ndarray:
-    """A [rows] vector in a wire dtype: float64 → float32, wide ints → int32."""
+    """A [rows] vector in a wire dtype its field takes (:data:`FIELD_DTYPES`): as it is when
+    it is in one; float64 → float32 and wide integers → int32 where the field takes those;
+    any other dtype refused in the server's words."""
     if not isinstance(value, np.ndarray):
         raise _bad(name, f"must be a numpy array, got {type(value).__name__}")
     if value.shape != (rows,):
         raise _bad(name, f"shape must be [{rows}], got {list(value.shape)}")
-    real = floating(value.dtype)
-    if not (value.dtype.kind in VECTOR_KINDS[name] or real and "f" in VECTOR_KINDS[name]):
-        kinds = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
-        wanted = " or ".join(dict.fromkeys(kinds[k] for k in VECTOR_KINDS[name]))
-        raise _bad(name, f"must be {wanted}, got {value.dtype}")
-    if value.dtype in _SENT_AS_IS:
+    wanted, dtype = FIELD_DTYPES[name], value.dtype
+    if dtype.name in wanted:
         return value
-    if real:
-        return value.astype(np.float32)
-    if value.dtype.kind in "iu":
-        if value.size and (value.min() < np.iinfo(np.int32).min
-                           or value.max() > np.iinfo(np.int32).max):
-            raise _bad(name, "values do not fit in int32")
-        return value.astype(np.int32)
-    return value
+    narrow = ("float32" if dtype.kind == "f" else "int32" if dtype.kind in "iu" else None)
+    if dtype.name in WIRE_DTYPES or narrow not in wanted:
+        raise _bad(name, wrong_dtype(wanted, dtype.name))
+    if narrow == "int32" and value.size and (value.min() < np.iinfo(np.int32).min
+                                             or value.max() > np.iinfo(np.int32).max):
+        raise _bad(name, "values do not fit in int32")
+    return value.astype(narrow)
 
 
 def _feature_dtype(wire) -> str:
@@ -162,7 +156,7 @@ def _feature_dtype(wire) -> str:
         except (TypeError, ValueError):
             pass
     if not isinstance(name, str) or name not in FEATURE_WIRE_DTYPES:
-        raise _bad("feature_dtype", f"must be one of {FEATURE_WIRE_DTYPES}, got {wire!r}")
+        raise _bad("feature_dtype", f"must be {spell(FEATURE_WIRE_DTYPES)}, got {wire!r}")
     return name
 
 
@@ -178,7 +172,7 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
     if like is not None and value.shape != like.shape:
         raise _bad(name, f"shape {list(value.shape)} differs from h_t's {list(like.shape)}")
     if not floating(value.dtype):
-        raise _bad(name, f"must be floating point, got {value.dtype}")
+        raise _bad(name, wrong_dtype(FEATURE_WIRE_DTYPES, value.dtype.name))
     if wire != "bfloat16" and value.dtype != _FEATURE_DTYPES[wire]:
         value = value.astype(wire)   # bfloat16 too, through ml_dtypes (exact to float32)
     return value
@@ -446,7 +440,7 @@ class LearnerClient:
         """Fold the entropy of ``actions`` [M] into ISV ``slot`` as an EMA with rate α."""
         if not isinstance(actions, np.ndarray) or actions.ndim != 1:
             raise _bad("actions", "must be a 1-D numpy array")
-        request = pb.EntropyRequest(actions=encode(_vector("actions", actions, actions.shape[0]),
+        request = pb.ComputeEntropyRequest(actions=encode(_vector("actions", actions, actions.shape[0]),
                                                    "actions"),
                                     slot=_slot_ref(slot), alpha=float(alpha), key=self._key())
         response = self._call(self._stub.ComputeEntropy, request)
@@ -462,8 +456,7 @@ class LearnerClient:
     def get_weights(self, target: bool = False) -> Weights:
         """θ (or θ⁻ with ``target=True``), its version and the step count."""
         response = self._call(self._stub.GetWeights, pb.GetWeightsRequest(target=target))
-        params = Params(*(decode(getattr(response, name), name)
-                          for name in ("w_v", "b_v", "W_a", "b_a")))
+        params = Params(*(decode(getattr(response, name), name) for name in PARAM_NAMES))
         return Weights(params, response.version, response.step, response.target)
 
     def read_isv(self, names_or_indices: Sequence[str | int] = ()) -> list[ISVValue]:
@@ -482,10 +475,9 @@ class LearnerClient:
     def info(self) -> ServerInfo:
         """Backend, device, config, step, version and limits of the server."""
         r = self._call(self._stub.GetInfo, pb.GetInfoRequest())
-        config = json.loads(r.config_json)
-        return ServerInfo(r.backend, r.device, config["hidden_dim"], config["n_actions"], config,
-                          r.step, r.version, r.max_message_bytes, r.max_batch_size,
-                          r.max_streams, r.server_version, r.max_queue)
+        return ServerInfo(r.backend, r.device, r.config.hidden_dim, r.config.n_actions,
+                          json.loads(r.config_json), r.step, r.version, r.max_message_bytes,
+                          r.max_batch_size, r.max_streams, r.server_version, r.max_queue)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until the server's health says SERVING; errors.Unavailable after ``timeout``."""

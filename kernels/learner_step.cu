@@ -82,7 +82,10 @@ struct StepArgs {
     float kappa;               // Huber κ
     float priority_eps;        // ε of |δ| + ε
     float lr;                  // learning rate
-    float beta1, beta2, adam_eps;
+    float one_minus_beta1;     // 1 − β1, rounded once from its exact value (as torch)
+    float beta2;               // β2
+    float one_minus_beta2;     // 1 − β2, rounded once from its exact value
+    float adam_eps;            // Adam's ε
     float step_size;           // lr / (1 − β1^t)
     float sqrt_bc2;            // sqrt(1 − β2^t)
     float tau;                 // target update rate
@@ -511,9 +514,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
         const float g = (first ? g0 : a.grad[p]) * scale;
         const float th_old = first ? th0 : theta[p], tg_old = first ? tg0 : target[p];
         float m1 = first ? m0 : m[p], v1 = first ? v0 : v[p], update;
-        if (a.adam) {
-            m1 = a.beta1 * m1 + (1.f - a.beta1) * g;
-            v1 = a.beta2 * v1 + ((1.f - a.beta2) * g) * g;
+        if (a.adam) {  // torch.optim.Adam: m.lerp_(g, 1 − β1), v.mul_(β2).addcmul_(g, g, 1 − β2)
+            const float w1 = a.one_minus_beta1;
+            m1 = w1 < 0.5f ? fmaf(w1, g - m1, m1) : fmaf(w1 - 1.f, g - m1, g);
+            v1 = fmaf(a.one_minus_beta2 * g, g, a.beta2 * v1);
             update = (a.step_size * m1) / (sqrtf(v1) / a.sqrt_bc2 + a.adam_eps);
         } else {
             update = a.lr * g;

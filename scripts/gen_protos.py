@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTOS = ("duelq/v1/learner.proto",)
+DESCRIPTOR_SET = "duelq/v1/learner.binpb"
 GENERATOR = "grpcio-tools"
 GENERATOR_VERSION = "1.84.0"
 
@@ -30,17 +31,20 @@ def generator_version() -> str | None:
 
 
 def generate(out_dir: Path) -> None:
-    """Write learner_pb2.py, learner_pb2.pyi and learner_pb2_grpc.py under ``out_dir``."""
+    """Write learner_pb2.py, learner_pb2.pyi, learner_pb2_grpc.py and learner.binpb under
+    ``out_dir``: the last is the FileDescriptorSet with the proto's comments (source info),
+    which server reflection serves (the gencode's descriptors carry no comments)."""
     version = generator_version()
     if version != GENERATOR_VERSION:
         raise RuntimeError(f"need {GENERATOR}=={GENERATOR_VERSION} (pip install -e '.[test]'), "
                            f"found {version}")
     from grpc_tools import protoc
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / DESCRIPTOR_SET).parent.mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
     args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}",
             f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
+            "--include_source_info", f"--descriptor_set_out={out_dir / DESCRIPTOR_SET}",
             *(str(PROTO_ROOT / p) for p in PROTOS)]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed; see its message above")

@@ -31,7 +31,6 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -42,6 +41,7 @@ from duelq.server.core.errors import InvalidArgument
 from duelq.server.idempotency import ReplayGuard
 from duelq.server.core.learner import Learner, make_backend
 from duelq.server.metrics import Metrics
+from duelq.server.reflection import enable_reflection
 from duelq.server.service import REPLAY_KINDS, LearnerService, Limits
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import train_request_deserializer, undecodable
@@ -77,7 +77,8 @@ class ServerOptions:
     max_queue: int = 64
     """Requests waiting for the learner at once; past it RESOURCE_EXHAUSTED."""
     token: str = ""
-    """If set, every rpc but health needs metadata ``authorization: Bearer <token>``."""
+    """If set, every rpc but health (reflection too) needs metadata ``authorization: Bearer
+    <token>``."""
     token_file: str = ""
     """File holding the bearer token (surrounding whitespace stripped); instead of ``token``."""
     tls_cert: str = ""
@@ -189,20 +190,28 @@ class _Undecodable:
 
 
 class BearerAuth(grpc.ServerInterceptor):
-    """Refuses rpcs (health excepted) without the right bearer token; constant-time compare."""
+    """Refuses rpcs (health excepted, reflection not) without the right bearer token:
+    ``authorization: Bearer <token>``, the scheme in any case (RFC 7235), the token
+    compared in constant time."""
 
     def __init__(self, token: str, on_deny: Callable[[str], None] | None = None):
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._on_deny = on_deny   # told the method path of each refusal, to count it
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
-        got = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        if self.admits(dict(details.invocation_metadata).get("authorization", "")):
             return handler
         return self._deny(handler, details.method)
+
+    def admits(self, value: str | bytes) -> bool:
+        """Whether an authorization header's ``value`` carries the token."""
+        value = value.decode(errors="replace") if isinstance(value, bytes) else value
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode(),
+                                                                 self._expected)
 
     def _deny(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED, the
@@ -288,13 +297,12 @@ def grpc_server(options: ServerOptions, interceptors: tuple, *,
 
 
 def add_health_and_reflection(server: grpc.Server) -> health.HealthServicer:
-    """Health (NOT_SERVING for now) and reflection of the Learner, Health and reflection
-    services; returns the health servicer."""
+    """Health (NOT_SERVING for now) and reflection (v1 and v1alpha) of the Learner, Health
+    and reflection services; returns the health servicer."""
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                      server)
     set_health(servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
 

@@ -47,6 +47,7 @@ from duelq.server.framing import train_request_deserializer, undecodable
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.wire.tensors import TensorError, decode, encode, float16_to_float32, tensor_head, varint
+from duelq.wire.types import FIELD_DTYPES, PARAM_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def _version() -> str:
 SERVER_VERSION = _version()
 
 #: The recorded response types, by name, for idempotency records in checkpoints.
-REPLAY_KINDS = {"TrainResponse": pb.TrainResponse, "EntropyResponse": pb.EntropyResponse}
+REPLAY_KINDS = {"TrainResponse": pb.TrainResponse, "ComputeEntropyResponse": pb.ComputeEntropyResponse}
 
 
 class NotServing(LearnerError):
@@ -126,7 +127,7 @@ def _rpc(handler):
 def _required(message, field: str) -> np.ndarray:
     if not message.HasField(field):
         raise InvalidArgument(field, "is required")
-    return decode(getattr(message, field), field)
+    return decode(getattr(message, field), field, dtypes=FIELD_DTYPES[field])
 
 
 def _features(message, field: str, keep_16bit: bool) -> np.ndarray:
@@ -135,7 +136,7 @@ def _features(message, field: str, keep_16bit: bool) -> np.ndarray:
     would: they then see float32, whose finiteness test is vectorised)."""
     if not message.HasField(field):
         raise InvalidArgument(field, "is required")
-    a = decode(getattr(message, field), field, widen=not keep_16bit)
+    a = decode(getattr(message, field), field, widen=not keep_16bit, dtypes=FIELD_DTYPES[field])
     return float16_to_float32(a) if a.dtype == np.float16 and not keep_16bit else a
 
 
@@ -144,7 +145,7 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch
     return Batch(_features(request, "h_t", keep_16bit), _features(request, "h_tp1", keep_16bit),
                  _required(request, "actions"), _required(request, "rewards"),
                  _required(request, "dones"), _required(request, "discounts"),
-                 decode(request.weights, "weights") if request.HasField("weights") else None)
+                 _required(request, "weights") if request.HasField("weights") else None)
 
 
 #: The small rpcs a front process relays whole (its others it forwards over gRPC:
@@ -327,12 +328,14 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self._apply_lock:
             yield
 
-    def _admit(self, context: grpc.ServicerContext | None, *, changes: bool) -> "_Release":
+    def _admit(self, context: grpc.ServicerContext | None, *,
+               change: pb.RequestKey | None = None) -> "_Release":
         """Take the apply lock for one request (bounded queue, deadline, drain); returns
-        what gives it back at the end of a ``with`` block."""
+        what gives it back at the end of a ``with`` block.  ``change``: the key of a state
+        change, which draining refuses (None: a read)."""
         with self._queue_lock:
-            if changes:
-                self._refuse_if_draining()
+            if change is not None:
+                self._refuse_if_draining(change)
             if self._waiting >= self.limits.max_queue:
                 raise ResourceExhausted(f"{self._waiting} requests already wait for the "
                                         f"learner (max_queue {self.limits.max_queue})")
@@ -354,15 +357,17 @@ class LearnerService(pb_grpc.LearnerServicer):
                           "waited for the learner; it was not applied")
         return self._release
 
-    def _refuse_if_draining(self) -> None:
+    def _refuse_if_draining(self, key: pb.RequestKey) -> None:
+        """NotServing while draining, its advice fit for a request with ``key`` or none."""
         if self._draining:
-            raise NotServing("the server is shutting down; retry with the same key")
+            raise NotServing("the server is shutting down; the request was not applied: "
+                             + ("retry it with the same key" if key.actor_id else "retry it"))
 
     def _check_train_key(self, key: pb.RequestKey) -> None:
         """Refuse a train request's malformed key, or any while draining: early, before the
         request's own work (_admit decides again)."""
         ReplayGuard.check_key(key.actor_id, key.seq)
-        self._refuse_if_draining()
+        self._refuse_if_draining(key)
 
     @property
     def learner(self) -> Learner:
@@ -374,7 +379,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                context: grpc.ServicerContext | None) -> Any:
         """Run a state change once per key (already checked by the caller, before its own
         work): replay the recorded response on a repeat."""
-        with self._admit(context, changes=True):
+        with self._admit(context, change=key):
             if key.actor_id:
                 recorded = self._replay.lookup(key.actor_id, key.seq, kind)
                 if recorded is not None:   # a message, or an EncodedTrainResponse
@@ -473,18 +478,18 @@ class LearnerService(pb_grpc.LearnerServicer):
         actions = _required(request, "actions")
         slot = slot_of(request.slot)
 
-        def apply() -> pb.EntropyResponse:
+        def apply() -> pb.ComputeEntropyResponse:
             result = learner.compute_entropy(actions, slot, request.alpha)
-            return pb.EntropyResponse(entropy=result.entropy, ema=result.ema, slot=result.slot,
-                                      key=request.key)
+            return pb.ComputeEntropyResponse(entropy=result.entropy, ema=result.ema,
+                                             slot=result.slot, key=request.key)
         ReplayGuard.check_key(request.key.actor_id, request.key.seq)
-        return self._keyed(request.key, pb.EntropyResponse, apply, context)
+        return self._keyed(request.key, pb.ComputeEntropyResponse, apply, context)
 
     @_rpc
     def Act(self, request, context):
         learner = self.learner
         h = _required(request, "h")
-        with self._admit(context, changes=False):
+        with self._admit(context):
             q = learner.q_values(h, request.target)   # [B, N]
             version = learner.step_count
         return pb.ActResponse(q_values=encode(q, "q_values"),
@@ -494,14 +499,14 @@ class LearnerService(pb_grpc.LearnerServicer):
     @_rpc
     def GetWeights(self, request, context):
         params, version = self.learner.weights(request.target)
-        return pb.Weights(**{name: encode(np.asarray(a, np.float32), name)
-                             for name, a in zip(("w_v", "b_v", "W_a", "b_a"), params.arrays())},
-                          version=version, step=version, target=request.target)
+        return pb.GetWeightsResponse(**{name: encode(np.asarray(a, np.float32), name)
+                                        for name, a in zip(PARAM_NAMES, params.arrays())},
+                                     version=version, step=version, target=request.target)
 
     @_rpc
     def ReadISV(self, request, context):
         slots = [slot_of(ref, f"slots[{i}]") for i, ref in enumerate(request.slots)]
-        return pb.ISVValues(values=[
+        return pb.ReadISVResponse(values=[
             pb.ISVValue(slot=v.slot, name=v.name, value=v.value, observed=v.observed)
             for v in self.learner.read_isv(slots)])
 
@@ -518,9 +523,10 @@ class LearnerService(pb_grpc.LearnerServicer):
     def GetInfo(self, request, context):
         learner = self.learner
         step = learner.step_count
-        return pb.Info(backend=learner.backend.name, device=learner.backend.device,
-                       config_json=json.dumps(learner.config.to_dict()), step=step,
-                       version=step, max_message_bytes=self.limits.max_message_bytes,
-                       max_batch_size=self.limits.max_batch_size,
-                       max_streams=self.limits.max_streams, max_queue=self.limits.max_queue,
-                       server_version=SERVER_VERSION)
+        config = learner.config.to_dict()
+        return pb.GetInfoResponse(
+            backend=learner.backend.name, device=learner.backend.device,
+            config_json=json.dumps(config), config=pb.LearnerConfig(**config), step=step,
+            version=step, max_message_bytes=self.limits.max_message_bytes,
+            max_batch_size=self.limits.max_batch_size, max_streams=self.limits.max_streams,
+            max_queue=self.limits.max_queue, server_version=SERVER_VERSION)

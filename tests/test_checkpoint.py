@@ -71,7 +71,8 @@ def test_round_trip_is_bit_identical(tmp_path, state):
     assert all(a.dtype == np.float32 for a in loaded.adam_v.arrays())
     with safetensors.safe_open(path, framework="numpy") as f:
         info = json.loads(f.metadata()["duelq"])
-    assert (info["format_version"], info["step"], info["backend"]) == (1, 3, "reference")
+    assert (info["format_version"], info["step"], info["backend"]) == (
+        checkpoint.FORMAT_VERSION, 3, "reference")
     assert LearnerConfig.from_dict(info["config"]) == CONFIG
 
 
@@ -190,10 +191,12 @@ def test_newest_corrupt_file_does_not_fall_back_to_an_older_one(tmp_path, state)
 
 
 def test_other_format_version_is_refused(tmp_path, state, monkeypatch):
-    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 2)
+    ours = checkpoint.FORMAT_VERSION
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", ours + 1)
     path = save_checkpoint(tmp_path, state, CONFIG)
     monkeypatch.undo()
-    with pytest.raises(CheckpointError, match="format version 2; this build reads version 1"):
+    with pytest.raises(CheckpointError, match=f"format version {ours + 1}; this build reads "
+                                              f"version {ours}"):
         load_checkpoint(path, CONFIG)
 
 
@@ -222,7 +225,7 @@ def test_tunable_fields_are_config_fields_and_exclude_layout():
 
 
 @pytest.mark.parametrize("name, bad, message", [
-    ("adam_m.W_a", np.zeros((8, 3), np.float64), r"adam_m\.W_a is float64\[8, 3\], "
+    ("adam_m.w_a", np.zeros((8, 3), np.float64), r"adam_m\.w_a is float64\[8, 3\], "
                                                  r"expected float32\[8, 3\]"),
     ("isv", np.zeros(15, np.float32), r"isv is float32\[15\], expected float32\[16\]"),
     ("extra", np.zeros(1, np.float32), r"unexpected \['extra'\]"),
@@ -231,7 +234,7 @@ def test_tunable_fields_are_config_fields_and_exclude_layout():
 def test_wrong_tensor_layout_is_refused(tmp_path, state, name, bad, message):
     tensors = checkpoint._state_tensors(state, CONFIG, tmp_path)
     tensors[name] = bad
-    info = {"format_version": 1, "step": 3, "config": CONFIG.to_dict()}
+    info = {"format_version": checkpoint.FORMAT_VERSION, "step": 3, "config": CONFIG.to_dict()}
     path = tmp_path / checkpoint_name(3)
     path.write_bytes(checkpoint._encode(tensors, info))
     with pytest.raises(CheckpointError, match=message):

@@ -104,19 +104,16 @@ def test_half_precision_features_arrive_as_their_float32_values(server, local, r
 @pytest.mark.parametrize("wire", ["bfloat16", "float32", "float16"])
 def test_bfloat16_features_are_taken_as_they_come(server, local, rng, wire):
     """Features already in bfloat16 (ml_dtypes) go on a bfloat16 wire as they are, and on the
-    other wires converted as their float32 values would be (exactly, to float32); so are
-    bfloat16 rewards, widened to float32."""
+    other wires converted as their float32 values would be (exactly, to float32)."""
     batch = random_batch(rng, 8)
     bf16 = replace(batch, h_t=batch.h_t.astype(ml_dtypes.bfloat16),
-                   h_tp1=batch.h_tp1.astype(ml_dtypes.bfloat16),
-                   rewards=batch.rewards.astype(ml_dtypes.bfloat16))
+                   h_tp1=batch.h_tp1.astype(ml_dtypes.bfloat16))
     with LearnerClient(server.target, feature_dtype=wire) as client:
         result = client.train_step(bf16)
     on_wire = (lambda a: a.astype(np.float16).astype(np.float32)) if wire == "float16" \
         else (lambda a: a)
     expected = local.step(replace(batch, h_t=on_wire(bf16.h_t.astype(np.float32)),
-                                  h_tp1=on_wire(bf16.h_tp1.astype(np.float32)),
-                                  rewards=bf16.rewards.astype(np.float32)))
+                                  h_tp1=on_wire(bf16.h_tp1.astype(np.float32))))
     assert_same_step(result, expected)
 
 

@@ -136,11 +136,11 @@ def assert_state(backend, ref: LearnerState, start: LearnerState) -> None:
     got = backend.snapshot()
     assert got.step == ref.step
     for group in GROUPS:
-        for name, g, r in zip(("w_v", "b_v", "W_a", "b_a"), getattr(got, group).arrays(),
+        for name, g, r in zip(("w_v", "b_v", "w_a", "b_a"), getattr(got, group).arrays(),
                               getattr(ref, group).arrays()):
             assert_close(f"{group}.{name}", g, r, 2e-4, 1e-4)
     for group in ("params", "target"):
-        for name, g, r, s in zip(("w_v", "b_v", "W_a", "b_a"), getattr(got, group).arrays(),
+        for name, g, r, s in zip(("w_v", "b_v", "w_a", "b_a"), getattr(got, group).arrays(),
                                  getattr(ref, group).arrays(), getattr(start, group).arrays()):
             assert_close(f"Δ{group}.{name}", g - s.astype(np.float64), r - s, 1e-3, 1e-3)
     assert_close("isv", got.isv, ref.isv, 1e-5, 1e-6)

@@ -261,7 +261,7 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
         never_stopped = replay(batches)
         assert end.state.step == count
         assert end.state.checksum() == never_stopped.checksum()
-        assert np.array_equal(end.state.params.W_a, never_stopped.params.W_a)
+        assert np.array_equal(end.state.params.w_a, never_stopped.params.w_a)
     finally:
         first.kill()
         if second is not None:

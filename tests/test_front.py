@@ -123,7 +123,7 @@ def test_refuses_like_the_one_process_server(pair):
         seen.append([_refusal(lambda: stub.TrainStep(bad)),
                      _refusal(lambda: raw(b"\x0a\x05\xff\xff")),
                      stream, step_after_stream, (again.replayed, again.step),
-                     _refusal(lambda: stub.ComputeEntropy(pb.EntropyRequest(alpha=0.5))),
+                     _refusal(lambda: stub.ComputeEntropy(pb.ComputeEntropyRequest(alpha=0.5))),
                      _refusal(lambda: stub.Act(pb.ActRequest(h=encode(
                          np.zeros((2, SMALL.hidden_dim + 1), np.float32), "h")))),
                      _refusal(lambda: raw_act(b"\x0a\x05\xff\xff")),

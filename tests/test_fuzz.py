@@ -86,7 +86,7 @@ def requests(draw):
             else:
                 mutate_tensor(draw, getattr(request, name))
     elif method == "ComputeEntropy":
-        request = pb.EntropyRequest(
+        request = pb.ComputeEntropyRequest(
             actions=encode(rng.integers(0, N, draw(st.integers(0, 80)), dtype=np.int32), "a"),
             alpha=draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                                  st.sampled_from([0.0, 0.5, 1.0, 1.0000001]))))
@@ -122,7 +122,7 @@ def requests(draw):
 
 
 RESPONSES = {"TrainStep": pb.TrainResponse, "TrainStream": pb.TrainResponse,
-             "ComputeEntropy": pb.EntropyResponse, "Act": pb.ActResponse}
+             "ComputeEntropy": pb.ComputeEntropyResponse, "Act": pb.ActResponse}
 
 
 def call(channel: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, object]:

@@ -1,7 +1,7 @@
 """Named, hand-computable cases of the learner step (Dopamine's losses_test style).
 
 The base case, computed on paper: H = 2 features, N = 2 actions,
-θ = θ⁻ with w_v = [1, 0], b_v = 0, W_a = I, b_a = 0.
+θ = θ⁻ with w_v = [1, 0], b_v = 0, w_a = I, b_a = 0.
 
   h_t   = [1, 2]:  V = 1, A = [1, 2], mean A = 1.5  →  Q = [0.5, 1.5]
   h_tp1 = [2, 0]:  V = 2, A = [2, 0], mean A = 1    →  Q = [3.0, 1.0]  → a* = 0
@@ -9,7 +9,7 @@ The base case, computed on paper: H = 2 features, N = 2 actions,
   a = 1                                             →  δ = 1.5 − 2.5 = −1
   κ = 1, |δ| = 1 ≤ κ                                →  L = ½δ² = 0.5
   g = clip(δ)/B = −1;  ∂A = g·(onehot − ½) = [0.5, −0.5]
-  ∂w_v = g·h_t = [−1, −2], ∂b_v = −1, ∂W_a = h_t ⊗ ∂A = [[0.5, −0.5], [1, −1]], ∂b_a = [0.5, −0.5]
+  ∂w_v = g·h_t = [−1, −2], ∂b_v = −1, ∂w_a = h_t ⊗ ∂A = [[0.5, −0.5], [1, −1]], ∂b_a = [0.5, −0.5]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ F64 = np.float64
 
 def paper_state(target: Params | None = None) -> LearnerState:
     theta = Params(w_v=np.array([1.0, 0.0], F64), b_v=np.array([0.0], F64),
-                   W_a=np.eye(2, dtype=F64), b_a=np.zeros(2, F64))
+                   w_a=np.eye(2, dtype=F64), b_a=np.zeros(2, F64))
     zeros = theta.map(np.zeros_like)
     return LearnerState(params=theta, target=target or theta.copy(), adam_m=zeros,
                         adam_v=zeros.copy(), step=0, isv=np.zeros(4), isv_observed=np.zeros(4, bool))
@@ -62,7 +62,7 @@ def test_paper_loss_td_and_gradients():
     np.testing.assert_allclose(q_taken, [1.5])
     np.testing.assert_allclose(g.w_v, [-1.0, -2.0])
     np.testing.assert_allclose(g.b_v, [-1.0])
-    np.testing.assert_allclose(g.W_a, [[0.5, -0.5], [1.0, -1.0]])
+    np.testing.assert_allclose(g.w_a, [[0.5, -0.5], [1.0, -1.0]])
     np.testing.assert_allclose(g.b_a, [0.5, -0.5])
 
 
@@ -71,11 +71,11 @@ def test_paper_sgd_step_and_soft_update():
     # θ ← θ − 0.1·∂θ
     np.testing.assert_allclose(new.params.w_v, [1.1, 0.2])
     np.testing.assert_allclose(new.params.b_v, [0.1])
-    np.testing.assert_allclose(new.params.W_a, [[0.95, 0.05], [-0.1, 1.1]])
+    np.testing.assert_allclose(new.params.w_a, [[0.95, 0.05], [-0.1, 1.1]])
     np.testing.assert_allclose(new.params.b_a, [-0.05, 0.05])
     # θ⁻ ← θ⁻ + 0.5 (θ_new − θ⁻), from the *new* θ
     np.testing.assert_allclose(new.target.w_v, [1.05, 0.1])
-    np.testing.assert_allclose(new.target.W_a, [[0.975, 0.025], [-0.05, 1.05]])
+    np.testing.assert_allclose(new.target.w_a, [[0.975, 0.025], [-0.05, 1.05]])
     assert out.loss == pytest.approx(0.5)
     np.testing.assert_allclose(out.td_errors, [-1.0])
     np.testing.assert_allclose(out.priorities, [1.0 + 1e-6], rtol=1e-7)
@@ -109,7 +109,7 @@ def test_importance_weight_scales_loss_and_gradient():
     l3, _, _, g3 = loss_and_grads(s.params, s.target, paper_batch(weights=np.array([3.0])),
                                   paper_config(), F64)
     assert l3 == pytest.approx(3 * l1)
-    np.testing.assert_allclose(g3.W_a, 3 * g1.W_a)
+    np.testing.assert_allclose(g3.w_a, 3 * g1.w_a)
 
 
 @pytest.mark.parametrize("kappa, expect_loss, expect_g", [
@@ -135,7 +135,7 @@ def test_argmax_ties_go_to_the_lowest_index():
     # h_tp1 = 0: every online Q is b_v + b_a − mean(b_a) = equal when b_a is constant.
     # Double DQN picks a* = 0 from the tie; θ⁻ values Q⁻ = [5, 7] make the choice visible.
     theta = paper_state().params
-    target = Params(w_v=np.zeros(2), b_v=np.array([6.0]), W_a=np.zeros((2, 2)),
+    target = Params(w_v=np.zeros(2), b_v=np.array([6.0]), w_a=np.zeros((2, 2)),
                     b_a=np.array([-1.0, 1.0]))
     b = paper_batch(h_tp1=np.zeros((1, 2)))
     _, delta, _, _ = loss_and_grads(theta, target, b, paper_config(double_dqn=True), F64)
@@ -144,11 +144,11 @@ def test_argmax_ties_go_to_the_lowest_index():
 
 def test_double_dqn_and_plain_target_pick_different_actions():
     # Online Q(h_tp1) = [3, 1] → double DQN picks a* = 0.
-    # Target θ⁻ has W_a swapped → Q⁻(h_tp1) = [1, 3] → plain DQN picks a* = 1 with value 3,
+    # Target θ⁻ has w_a swapped → Q⁻(h_tp1) = [1, 3] → plain DQN picks a* = 1 with value 3,
     # double DQN evaluates θ⁻ at a* = 0: value 1.
     theta = paper_state().params
     target = Params(w_v=np.array([1.0, 0.0]), b_v=np.array([0.0]),
-                    W_a=np.array([[0.0, 1.0], [1.0, 0.0]]), b_a=np.zeros(2))
+                    w_a=np.array([[0.0, 1.0], [1.0, 0.0]]), b_a=np.zeros(2))
     np.testing.assert_allclose(q_values(target, np.array([[2.0, 0.0]])), [[1.0, 3.0]])
     plain = loss_and_grads(theta, target, paper_batch(), paper_config(), F64)[1]
     double = loss_and_grads(theta, target, paper_batch(), paper_config(double_dqn=True), F64)[1]

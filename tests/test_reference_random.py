@@ -29,13 +29,13 @@ def test_gradients_match_central_finite_differences(double_dqn):
     batch = random_batch(rng, 9, 5, 4)
     _, _, _, grads = loss_and_grads(s.params, s.target, batch, cfg, np.float64)
     eps = 1e-6
-    for name, g in zip(("w_v", "b_v", "W_a", "b_a"), grads.arrays()):
+    for name, g in zip(("w_v", "b_v", "w_a", "b_a"), grads.arrays()):
         p = getattr(s.params, name)
         for idx in np.ndindex(p.shape):
             def loss_at(delta):
                 q = p.copy()
                 q[idx] += delta
-                moved = Params(**{**{n: getattr(s.params, n) for n in ("w_v", "b_v", "W_a", "b_a")},
+                moved = Params(**{**{n: getattr(s.params, n) for n in ("w_v", "b_v", "w_a", "b_a")},
                                   name: q})
                 return loss_and_grads(moved, s.target, batch, cfg, np.float64)[0]
             fd = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
@@ -74,7 +74,7 @@ def torch_steps(state: LearnerState, batches, cfg):
     """The same steps written in PyTorch: autograd, clip_grad_norm_, optim.Adam/SGD, Polyak."""
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
-    names = ("w_v", "b_v", "W_a", "b_a")
+    names = ("w_v", "b_v", "w_a", "b_a")
     theta = {n: torch.tensor(getattr(state.params, n), dtype=torch.float64, requires_grad=True)
              for n in names}
     target = {n: torch.tensor(getattr(state.target, n), dtype=torch.float64) for n in names}
@@ -83,7 +83,7 @@ def torch_steps(state: LearnerState, batches, cfg):
            if cfg.optimizer == "adam" else torch.optim.SGD(params, lr=cfg.lr))
 
     def q(p, h):
-        A = h @ p["W_a"] + p["b_a"]
+        A = h @ p["w_a"] + p["b_a"]
         return (h @ p["w_v"] + p["b_v"])[:, None] + A - A.mean(dim=1, keepdim=True)
 
     outs = []

@@ -125,7 +125,7 @@ def test_keys_may_arrive_out_of_order_and_entropy_is_keyed_too(server, rng):
     assert s.TrainStep(train_request(rng, actor="a", seq=5)).step == 1
     assert s.TrainStep(train_request(rng, actor="a", seq=3)).step == 2
     assert s.TrainStep(train_request(rng, actor="b", seq=5)).step == 3
-    entropy = pb.EntropyRequest(actions=encode(np.array([0, 1, 1], np.int32), "a"),
+    entropy = pb.ComputeEntropyRequest(actions=encode(np.array([0, 1, 1], np.int32), "a"),
                                 slot=pb.SlotRef(name="policy_entropy_ema"), alpha=0.5,
                                 key=pb.RequestKey(actor_id="a", seq=6))
     first, again = s.ComputeEntropy(entropy), s.ComputeEntropy(entropy)
@@ -169,7 +169,7 @@ def _guard_with_records() -> ReplayGuard:
     for actor, seqs in (("a", (1, 2, 3, 7)), ("b", (1,)), ("c", (2, 4))):
         for seq in seqs:
             guard.record(actor, seq, pb.TrainResponse(step=seq, loss=0.5 * seq, key=pb.RequestKey(
-                actor_id=actor, seq=seq)) if actor != "b" else pb.EntropyResponse(ema=1.5))
+                actor_id=actor, seq=seq)) if actor != "b" else pb.ComputeEntropyResponse(ema=1.5))
     return guard
 
 
@@ -177,7 +177,7 @@ def _same_records(a: ReplayGuard, b: ReplayGuard) -> None:
     assert a.window == b.window and list(a._actors) == list(b._actors)
     assert list(a._responses) == list(b._responses)  # LRU order kept
     for actor, seq in [("a", 7), ("a", 3), ("a", 2), ("b", 1), ("c", 4), ("c", 2)]:
-        kind = pb.EntropyResponse if actor == "b" else pb.TrainResponse
+        kind = pb.ComputeEntropyResponse if actor == "b" else pb.TrainResponse
         assert a.lookup(actor, seq, kind) == b.lookup(actor, seq, kind)
     with pytest.raises(AlreadyApplied):
         b.lookup("a", 1, pb.TrainResponse)  # applied; its response fell out of the cache
@@ -309,7 +309,7 @@ def test_bad_train_input_is_invalid_argument_naming_the_field(server, rng, case)
 
 
 def _entropy(slot=pb.SlotRef(name="action_entropy_ema"), alpha=0.1, actions=(0, 1, 2)):
-    return pb.EntropyRequest(actions=encode(np.array(actions, np.int32), "actions"),
+    return pb.ComputeEntropyRequest(actions=encode(np.array(actions, np.int32), "actions"),
                              slot=slot, alpha=alpha)
 
 
@@ -322,7 +322,8 @@ BAD_OTHER = {
     "alpha > 1": ("ComputeEntropy", _entropy(alpha=1.5), "alpha"),
     "alpha NaN": ("ComputeEntropy", _entropy(alpha=math.nan), "alpha"),
     "entropy action N": ("ComputeEntropy", _entropy(actions=(0, N)), "actions"),
-    "read unknown slot": ("ReadISV", pb.ReadISVRequest(slots=[pb.SlotRef(name="nope")]), "slot"),
+    "read unknown slot": ("ReadISV", pb.ReadISVRequest(slots=[pb.SlotRef(index=1), pb.SlotRef(
+        name="nope")]), "slots[1]"),
     "act wrong width": ("Act", pb.ActRequest(h=encode(np.zeros((2, H - 1), np.float32), "h")),
                         "h"),
     "act NaN": ("Act", pb.ActRequest(h=encode(np.full((2, H), np.nan, np.float32), "h")), "h"),
@@ -545,7 +546,7 @@ def test_an_encoded_response_is_recorded_replayed_and_checkpointed_as_its_messag
     assert guard.lookup("a", 4, pb.TrainResponse).SerializeToString() == \
         message.SerializeToString()
     with pytest.raises(InvalidArgument, match="already used by a TrainResponse"):
-        guard.lookup("a", 4, pb.EntropyResponse)
+        guard.lookup("a", 4, pb.ComputeEntropyResponse)
     restored = ReplayGuard.from_bytes(guard.to_bytes(), REPLAY_KINDS)
     assert restored.lookup("a", 4, pb.TrainResponse) == message
 

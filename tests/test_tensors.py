@@ -94,8 +94,8 @@ def _tensor(dtype=pb.DTYPE_FLOAT32, shape=(2, 2), data=bytes(16)):
     (_tensor(data=bytes(20)), "has 20 bytes"),
     (_tensor(shape=(2, -2)), "negative dimension"),
     (_tensor(shape=(1,) * 9, data=bytes(4)), "at most 8"),
-    (_tensor(dtype=pb.DTYPE_UNSPECIFIED), "got DTYPE_UNSPECIFIED"),
-    (_tensor(dtype=99), "got 99"),
+    (_tensor(dtype=pb.DTYPE_UNSPECIFIED), "got unspecified"),
+    (_tensor(dtype=99), "got 99 (not a Dtype)"),
     (_tensor(dtype=pb.DTYPE_BOOL, shape=(2,), data=b"\x00\x02"), "0 or 1"),
     (_tensor(dtype=pb.DTYPE_INT32, shape=(1 << 40,), data=bytes(8)), "needs 4398046511104"),
 ])

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from duelq.v1 import learner_pb2 as pb
-from duelq.wire.types import BFLOAT16
+from duelq.wire.types import BFLOAT16, wrong_dtype
 
 #: Wire dtype name → (enum value, little-endian numpy dtype of the raw bytes).
 WIRE_DTYPES: dict[str, tuple[int, np.dtype]] = {
@@ -34,6 +34,15 @@ _BY_ENUM = {enum: (name, raw) for name, (enum, raw) in WIRE_DTYPES.items()}
 MAX_NDIM = 8
 #: Raw dtype → enum of the wire dtypes an array may already be in (not bfloat16: uint16).
 _ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}
+
+
+def dtype_name(enum: int) -> str:
+    """A Dtype value as messages spell it: "float32" for DTYPE_FLOAT32, "unspecified" for 0,
+    "17 (not a Dtype)" for a number the enum lacks."""
+    entry = _BY_ENUM.get(enum)
+    if entry is not None:
+        return entry[0]
+    return "unspecified" if enum == pb.DTYPE_UNSPECIFIED else f"{enum} (not a Dtype)"
 
 
 def floating(dtype: np.dtype) -> bool:
@@ -128,7 +137,7 @@ def wire_array(array: np.ndarray, field: str, *,
     a = np.asarray(array)
     name = wire or a.dtype.name
     if name not in WIRE_DTYPES:
-        raise _bad(field, f"dtype {a.dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
+        raise _bad(field, wrong_dtype(WIRE_DTYPES, a.dtype.name))
     if a.ndim > MAX_NDIM:
         raise _bad(field, f"has {a.ndim} dimensions, at most {MAX_NDIM}")
     enum, raw = WIRE_DTYPES[name]
@@ -181,17 +190,19 @@ def tensor_head(number: int, enum: int, shape: tuple[int, ...], nbytes: int) -> 
     return varint(number << 3 | 2) + varint(len(head) + nbytes) + head
 
 
-def decode(tensor: pb.Tensor, field: str, *, widen: bool = True) -> np.ndarray:
+def decode(tensor: pb.Tensor, field: str, *, widen: bool = True,
+           dtypes: tuple[str, ...] | None = None) -> np.ndarray:
     """A Tensor as a (read-only) numpy array; bfloat16 comes back as float32, or with
     ``widen=False`` as the ``ml_dtypes.bfloat16`` view of its bytes.
 
-    Raises :class:`TensorError` naming ``field`` when the dtype is unknown,
-    the shape is malformed or the byte length is not prod(shape) × itemsize.
+    Raises :class:`TensorError` naming ``field`` when the dtype is not one of ``dtypes``
+    (default: any of :data:`WIRE_DTYPES`), the shape is malformed or the byte length is
+    not prod(shape) × itemsize.
     """
     entry = _BY_ENUM.get(tensor.dtype)
-    if entry is None:
-        got = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype
-        raise _bad(field, f"dtype must be one of {sorted(WIRE_DTYPES)}, got {got}")
+    wanted = WIRE_DTYPES if dtypes is None else dtypes
+    if entry is None or entry[0] not in wanted:
+        raise _bad(field, wrong_dtype(wanted, dtype_name(tensor.dtype)))
     name, raw = entry
     shape = tuple(tensor.shape)
     if len(shape) > MAX_NDIM:

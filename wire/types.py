@@ -1,5 +1,5 @@
 """The types both ends of the wire share: a training batch, the head's parameters, the
-feature dtypes.  The client and the server import this package and nothing of each other."""
+dtype contract.  The client and the server import this package and nothing of each other."""
 
 from __future__ import annotations
 
@@ -11,7 +11,34 @@ import numpy as np
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 
-PARAM_NAMES = ("w_v", "b_v", "W_a", "b_a")
+#: The dtype contract: the dtypes each request tensor field takes, by name (learner.proto's
+#: "Dtype …" line of the field; the server refuses any other with INVALID_ARGUMENT and the
+#: client before sending).  ``h`` is ActRequest's; ``actions`` is also
+#: ComputeEntropyRequest's.  The first of each is the one wider inputs narrow to.
+FIELD_DTYPES: dict[str, tuple[str, ...]] = {
+    "h_t": ("float32", "float16", "bfloat16"),
+    "h_tp1": ("float32", "float16", "bfloat16"),
+    "h": ("float32", "float16", "bfloat16"),
+    "actions": ("int32", "uint8"),
+    "rewards": ("float32", "float16"),
+    "dones": ("float32", "bool", "uint8", "int32"),
+    "discounts": ("float32",),
+    "weights": ("float32",),
+}
+
+
+def spell(names) -> str:
+    """Dtype names as messages list them: "float32, float16 or bfloat16"."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def wrong_dtype(wanted, got: str) -> str:
+    """The words of every dtype refusal: "dtype must be float32 or float16, got int32"."""
+    return f"dtype must be {spell(wanted)}, got {got}"
+
+
+PARAM_NAMES = ("w_v", "b_v", "w_a", "b_a")
 
 
 @dataclass(frozen=True)
@@ -20,7 +47,7 @@ class Params:
 
     w_v: np.ndarray  # [H]     value weights
     b_v: np.ndarray  # [1]     value bias
-    W_a: np.ndarray  # [H, N]  advantage weights, element c*N + a
+    w_a: np.ndarray  # [H, N]  advantage weights, element c*N + a
     b_a: np.ndarray  # [N]     advantage biases
 
     def arrays(self) -> tuple[np.ndarray, ...]:

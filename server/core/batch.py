@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duelq.server.core.config import LearnerConfig
-from duelq.wire.types import FEATURE_DTYPES, Batch
+from duelq.wire.types import FEATURE_DTYPES, FIELD_DTYPES, Batch, wrong_dtype
 from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 
 
@@ -55,9 +55,12 @@ class PackedBatch:
         return Batch(h_t, h_tp1, actions, *vectors)
 
 
-def _array(name: str, value) -> np.ndarray:
+def _array(name: str, value, dtypes: tuple[str, ...]) -> np.ndarray:
+    """``value`` when it is a numpy array of one of ``dtypes`` (names, FIELD_DTYPES')."""
     if not isinstance(value, np.ndarray):
         raise InvalidArgument(name, f"must be a numpy array, got {type(value).__name__}")
+    if value.dtype.name not in dtypes:
+        raise InvalidArgument(name, wrong_dtype(dtypes, value.dtype.name))
     return value
 
 
@@ -69,18 +72,16 @@ def _finite(name: str, a: np.ndarray) -> None:
 
 def validate_actions(actions, n_actions: int, name: str = "actions",
                      max_len: int | None = None, *, check_range: bool = True) -> np.ndarray:
-    """Check a 1-D integer actions buffer; return it as int32.  ``check_range=False`` leaves
-    the range to the caller, except for integers wider than int32 (the cast could wrap)."""
-    a = _array(name, actions)
+    """Check a 1-D actions buffer (int32 or uint8); return it as int32.  ``check_range=False``
+    leaves the range to the caller."""
+    a = _array(name, actions, FIELD_DTYPES["actions"])
     if a.ndim != 1:
         raise InvalidArgument(name, f"must be 1-D, got shape {a.shape}")
     if a.shape[0] == 0:
         raise InvalidArgument(name, "is empty")
     if max_len is not None and a.shape[0] > max_len:
         raise ResourceExhausted(f"{name}: length {a.shape[0]} exceeds the limit {max_len}")
-    if a.dtype.kind not in "iu":
-        raise InvalidArgument(name, f"must have an integer dtype, got {a.dtype}")
-    if not check_range and np.can_cast(a.dtype, np.int32):
+    if not check_range:
         return a.astype(np.int32, copy=False)
     lo, hi = int(a.min()), int(a.max())
     if lo < 0 or hi >= n_actions:
@@ -94,10 +95,7 @@ def validate_features(h, hidden_dim: int, name: str, rows: int | None = None, *,
     """Check a [B, H] feature matrix (values finite unless ``finite`` is False: the caller
     checks them elsewhere); return it C-contiguous, in its dtype if that is in ``keep``,
     else widened to float32."""
-    a = _array(name, h)
-    if a.dtype not in FEATURE_DTYPES:
-        raise InvalidArgument(name, f"dtype must be float32, float16 or bfloat16, "
-                                    f"got {a.dtype}")
+    a = _array(name, h, FIELD_DTYPES["h"])
     if a.ndim != 2 or a.shape[1] != hidden_dim:
         raise InvalidArgument(name, f"shape must be [B, {hidden_dim}], got {list(a.shape)}")
     if rows is not None and a.shape[0] != rows:
@@ -136,10 +134,7 @@ def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
                               finite=check_values, keep=keep)
 
     def vector(name: str, value) -> np.ndarray:
-        a = _array(name, value)
-        if a.dtype not in FEATURE_DTYPES and a.dtype.kind not in "iub":
-            raise InvalidArgument(name, f"must be float32/float16 (or integer/bool for 0/1), "
-                                  f"got {a.dtype}")
+        a = _array(name, value, FIELD_DTYPES[name])
         if a.shape != (B,):
             raise InvalidArgument(name, f"shape must be [{B}], got {list(a.shape)}")
         a = a.astype(np.float32, copy=False)

@@ -52,7 +52,7 @@ from duelq.wire.types import PARAM_NAMES, Params
 
 #: Bumped whenever the file layout changes; ``format_version`` is the one key
 #: every version keeps, so a mismatch is reported as such.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: Config fields a resume may be allowed to change (opt-in, per field): they steer
 #: future steps but do not change the meaning of the stored tensors.
@@ -315,7 +315,7 @@ def _state_tensors(state: LearnerState, config: LearnerConfig,
 def _layout_problem(tensors: Mapping[str, np.ndarray], config: LearnerConfig) -> str | None:
     """What is wrong with the names, dtypes and shapes of ``tensors``, or None."""
     H, N, S = config.hidden_dim, config.n_actions, config.isv_size
-    shapes = {"w_v": (H,), "b_v": (1,), "W_a": (H, N), "b_a": (N,)}
+    shapes = {"w_v": (H,), "b_v": (1,), "w_a": (H, N), "b_a": (N,)}
     expected = {f"{g}.{p}": (np.float32, shapes[p]) for g in GROUPS for p in PARAM_NAMES}
     expected["isv"] = (np.float32, (S,))
     expected["isv_observed"] = (np.uint8, (S,))

@@ -104,15 +104,16 @@ class LearnerConfig:
              "step_entropy_slot", "must be '' or a name in isv_slots")
         object.__setattr__(self, "isv_slots", slots)
 
-    def slot_index(self, slot: str | int) -> int:
-        """Resolve a slot name or index to an index; unknown ones raise InvalidArgument."""
+    def slot_index(self, slot: str | int, field: str = "slot") -> int:
+        """Resolve a slot name or index to an index; unknown ones raise InvalidArgument
+        naming ``field``."""
         if isinstance(slot, str):
             if slot not in self.isv_slots:
-                raise InvalidArgument("slot", f"unknown ISV slot name {slot!r}; "
+                raise InvalidArgument(field, f"unknown ISV slot name {slot!r}; "
                                       f"known: {sorted(self.isv_slots)}")
             return self.isv_slots[slot]
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.isv_size:
-            raise InvalidArgument("slot", f"ISV index must be an integer in "
+            raise InvalidArgument(field, f"ISV index must be an integer in "
                                   f"[0, {self.isv_size}), got {slot!r}")
         return slot
 

@@ -63,11 +63,11 @@ def kernel_source(name: str) -> str:
 
 def pack_params(p: Params, stride: int) -> np.ndarray:
     """Params → the device layout [stride] float32: weights [N+1][H], biases [N+1]."""
-    H, N = p.W_a.shape
+    H, N = p.w_a.shape
     flat = np.zeros(stride, np.float32)
     weights = flat[:(N + 1) * H].reshape(N + 1, H)
     weights[0] = p.w_v
-    weights[1:] = p.W_a.T
+    weights[1:] = p.w_a.T
     flat[(N + 1) * H:(N + 1) * (H + 1)] = np.concatenate([p.b_v, p.b_a])
     return flat
 
@@ -78,7 +78,7 @@ def unpack_params(flat: np.ndarray, hidden_dim: int, n_actions: int) -> Params:
     weights = flat[:(N + 1) * H].reshape(N + 1, H)
     biases = flat[(N + 1) * H:(N + 1) * (H + 1)]
     return Params(w_v=weights[0].copy(), b_v=biases[:1].copy(),
-                  W_a=np.ascontiguousarray(weights[1:].T), b_a=biases[1:].copy())
+                  w_a=np.ascontiguousarray(weights[1:].T), b_a=biases[1:].copy())
 
 
 @dataclass(frozen=True)
@@ -439,7 +439,8 @@ class CudaBackend(Backend):
             double_dqn=c.double_dqn, adam=c.optimizer == "adam",
             isv_size=c.isv_size, entropy_slot=self._entropy_slot,
             kappa=c.huber_kappa, priority_eps=c.priority_eps, lr=c.lr,
-            beta1=c.beta1, beta2=c.beta2, adam_eps=c.adam_eps,
+            one_minus_beta1=1 - c.beta1, beta2=c.beta2, one_minus_beta2=1 - c.beta2,
+            adam_eps=c.adam_eps,
             tau=c.tau, ent_alpha=c.step_entropy_alpha, ent_keep=1.0 - c.step_entropy_alpha)
 
     def launch(self, batch_size: int, has_weights: bool, inputs: cp.ndarray | None = None,
@@ -470,7 +471,7 @@ class CudaBackend(Backend):
                                                              has_weights)
         args.update_target = t % c.target_update_period == 0
         args.step_size = c.lr / (1 - c.beta1 ** t)   # rounded to float32 by the field
-        args.sqrt_bc2 = math.sqrt(1 - c.beta2 ** t)
+        args.sqrt_bc2 = (1 - c.beta2 ** t) ** 0.5      # torch's bias_correction2 ** 0.5
 
     def _next_epoch(self) -> int:
         """The next launch's epoch (it also uses epoch − 1 and epoch + 1).

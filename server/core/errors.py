@@ -20,7 +20,8 @@ class InvalidArgument(LearnerError, ValueError):
 
 
 class NonFiniteStep(LearnerError, ArithmeticError):
-    """A step would have produced non-finite gradients or weights; it was refused."""
+    """A step overflowed (non-finite TD errors, loss, gradient or updated state); it was
+    refused, and its message says what overflowed."""
 
 
 class ResourceExhausted(LearnerError):

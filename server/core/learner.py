@@ -11,13 +11,14 @@ service can run it while another step holds the device.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
-from duelq.server.core.backend import Backend, Upload
+from duelq.server.core.backend import Backend, StepOutputs, Upload
 from duelq.server.core.batch import (FEATURE_DTYPES, Batch, PackedBatch, validate_actions, validate_batch,
                     validate_features)
 from duelq.server.core.config import LearnerConfig
@@ -58,6 +59,23 @@ class ISVValue:
     name: str       # "" if the index has no name
     value: float
     observed: bool
+
+
+def overflow(out: StepOutputs) -> str:
+    """What a non-finite step overflowed: the first quantity in the step's order that is not
+    finite (TD errors, loss, mean taken Q, gradient), else the update's results."""
+    td = out.td_errors
+    bad = int(np.count_nonzero(~np.isfinite(td)))
+    if bad:
+        return f"{bad} of {td.shape[0]} TD errors are non-finite (the Q-values overflowed)"
+    if not math.isfinite(out.loss):
+        return f"the loss overflowed to {out.loss:g} (gradient norm {out.grad_norm:g})"
+    if not math.isfinite(out.q_taken_mean):
+        return f"the mean taken Q-value overflowed to {out.q_taken_mean:g}"
+    if not math.isfinite(out.grad_norm):
+        return f"the gradient overflowed (norm {out.grad_norm:g})"
+    return (f"the update would make the weights or the Adam moments non-finite (gradient "
+            f"norm {out.grad_norm:g})")
 
 
 @dataclass
@@ -165,9 +183,8 @@ class Learner:
                                    "does not find")
             if not out.finite:
                 self.backend.discard()
-                raise NonFiniteStep(
-                    f"step {self.backend.step + 1} refused: non-finite gradients or weights "
-                    f"(gradient norm {out.grad_norm:g}); the state is unchanged")
+                raise NonFiniteStep(f"step {self.backend.step + 1} refused: {overflow(out)}; "
+                                    f"the state is unchanged")
             self.backend.commit()
             step = self.backend.step
         return StepResult(loss=out.loss, td_errors=out.td_errors, priorities=out.priorities,
@@ -202,9 +219,11 @@ class Learner:
             return self.backend.weights(target), self.backend.step
 
     def read_isv(self, slots: Iterable[str | int]) -> list[ISVValue]:
-        """Values of ISV slots given by name or index (empty → every named slot)."""
+        """Values of ISV slots given by name or index (empty → every named slot); an unknown
+        one is refused naming its place, ``slots[i]``."""
         slots = list(slots) or sorted(self.config.isv_slots, key=self.config.isv_slots.get)
-        indices = np.array([self.config.slot_index(s) for s in slots], dtype=np.int64)
+        indices = np.array([self.config.slot_index(s, f"slots[{i}]") for i, s in enumerate(slots)],
+                           dtype=np.int64)
         names = {i: n for n, i in self.config.isv_slots.items()}
         with self.lock:
             values, observed = self.backend.read_isv(indices)

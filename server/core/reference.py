@@ -17,7 +17,7 @@ from duelq.server.core.state import LearnerState, Params
 def q_values(p: Params, h: np.ndarray) -> np.ndarray:
     """Dueling Q-values: Q[a] = V + A[a] − mean_a' A[a']."""
     V = h @ p.w_v + p.b_v[0]                     # [B]
-    A = h @ p.W_a + p.b_a                        # [B, N]
+    A = h @ p.w_a + p.b_a                        # [B, N]
     return V[:, None] + A - A.mean(axis=1, keepdims=True)  # [B, N]
 
 
@@ -31,7 +31,7 @@ def action_entropy(actions: np.ndarray, n_actions: int) -> float:
     """Entropy in nats of the empirical action distribution of ``actions`` [M]."""
     counts = np.bincount(actions, minlength=n_actions)  # [N]
     p = counts[counts > 0] / actions.shape[0]
-    return float(-(p * np.log(p)).sum())
+    return float(0.0 - (p * np.log(p)).sum())  # 0 − Σ: one action gives +0.0, not −0.0
 
 
 def ema_update(isv: np.ndarray, observed: np.ndarray, slot: int, value: float,
@@ -45,10 +45,39 @@ def ema_update(isv: np.ndarray, observed: np.ndarray, slot: int, value: float,
         observed[slot] = True
 
 
+def fma(a, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a·b + c rounded once to ``c``'s dtype, as the fused multiply-add of torch's optimizer
+    kernels: float32 goes through float64, where the product is exact (the sum's second
+    rounding matters only in a rare double-rounding tie); float64 is computed plainly."""
+    if c.dtype == np.float32:
+        wide = np.multiply(a, b, dtype=np.float64)
+        wide += c
+        return wide.astype(np.float32)
+    return a * b + c
+
+
+def lerp(start: np.ndarray, end: np.ndarray, weight) -> np.ndarray:
+    """torch.lerp: start + weight·(end − start), from the nearer end (ATen's formula)."""
+    if abs(weight) < 0.5:
+        return fma(weight, end - start, start)
+    return fma(weight - 1, end - start, end)
+
+
+def adam_moments(m: np.ndarray, v: np.ndarray, g: np.ndarray, beta1: float, beta2: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """torch.optim.Adam's moment updates in ``g``'s dtype: m.lerp_(g, 1 − β1) and
+    v.mul_(β2).addcmul_(g, g, value=1 − β2), each 1 − β rounded once from its exact value."""
+    dtype = g.dtype.type
+    w1, w2 = dtype(1 - beta1), dtype(1 - beta2)
+    return lerp(m, g, w1), fma(w2 * g, g, v * dtype(beta2))
+
+
 def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerConfig,
                    dtype=np.float32) -> tuple[float, np.ndarray, np.ndarray, Params]:
     """DESIGN §2 steps 1–5: (loss, δ [B], Q_θ(h_t)[a] [B], ∂L/∂θ) for θ, θ⁻ in ``dtype``."""
-    cast = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
+    # Aligned (a copy of an array viewed at an odd offset of request bytes): NumPy's matmul
+    # uses BLAS only on aligned arrays, so the bits do not depend on where the batch lay.
+    cast = lambda a: np.require(a, dtype, "A")  # noqa: E731
     h_t, h_tp1 = cast(batch.h_t), cast(batch.h_tp1)          # [B, H]
     actions = batch.actions                                   # [B] int32
     rewards, dones, discounts = cast(batch.rewards), cast(batch.dones), cast(batch.discounts)
@@ -79,7 +108,7 @@ def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerC
     onehot[rows, actions] = 1
     dA = g[:, None] * (onehot - dtype(1.0 / N))               # [B, N], rows sum to 0
     grads = Params(w_v=h_t.T @ g, b_v=g.sum(keepdims=True),   # [H], [1]
-                   W_a=h_t.T @ dA, b_a=dA.sum(axis=0))        # [H, N], [N]
+                   w_a=h_t.T @ dA, b_a=dA.sum(axis=0))        # [H, N], [N]
     return float(loss), delta, q_taken, grads
 
 
@@ -101,12 +130,12 @@ def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
     # 7. Optimizer (PyTorch's Adam with bias correction, or plain SGD).
     t = state.step + 1
     m, v = state.adam_m.astype(dtype), state.adam_v.astype(dtype)
-    if config.optimizer == "adam":
-        b1, b2 = dtype(config.beta1), dtype(config.beta2)
-        m = m.zip(grads, lambda m_, g_: b1 * m_ + (1 - b1) * g_)
-        v = v.zip(grads, lambda v_, g_: b2 * v_ + (1 - b2) * g_ * g_)
+    if config.optimizer == "adam":   # torch.optim.Adam's _single_tensor_adam, op for op
+        moments = [adam_moments(m_, v_, g_, config.beta1, config.beta2)
+                   for m_, v_, g_ in zip(m.arrays(), v.arrays(), grads.arrays())]
+        m, v = Params(*(mv[0] for mv in moments)), Params(*(mv[1] for mv in moments))
         step_size = dtype(config.lr / (1 - config.beta1 ** t))
-        sqrt_bc2 = dtype(np.sqrt(1 - config.beta2 ** t))
+        sqrt_bc2 = dtype((1 - config.beta2 ** t) ** 0.5)
         eps = dtype(config.adam_eps)
         denom = v.map(lambda v_: np.sqrt(v_) / sqrt_bc2 + eps)
         update = m.zip(denom, lambda m_, d_: step_size * m_ / d_)

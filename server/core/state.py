@@ -20,7 +20,7 @@ def initial_params(config: LearnerConfig) -> Params:
     def u(*shape):
         return rng.uniform(-bound, bound, size=shape).astype(np.float32)
 
-    return Params(w_v=u(H), b_v=u(1), W_a=u(H, N), b_a=u(N))
+    return Params(w_v=u(H), b_v=u(1), w_a=u(H, N), b_a=u(N))
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,18 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64uelq/v1/learner.proto\x12\x08\x64uelq.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.duelq.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"+\n\nRequestKey\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"\xa0\x02\n\x0cTrainRequest\x12\x1d\n\x03h_t\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1f\n\x05h_tp1\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07\x61\x63tions\x18\x03 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07rewards\x18\x04 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1f\n\x05\x64ones\x18\x05 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12#\n\tdiscounts\x18\x06 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07weights\x18\x07 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x03key\x18\x08 \x01(\x0b\x32\x14.duelq.v1.RequestKey\"\x87\x02\n\rTrainResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12#\n\ttd_errors\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12$\n\npriorities\x18\x03 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x14\n\x0cq_taken_mean\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x14\n\x07\x65ntropy\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12!\n\x03key\x18\t \x01(\x0b\x32\x14.duelq.v1.RequestKey\x12\x10\n\x08replayed\x18\n \x01(\x08\x42\n\n\x08_entropy\"\x86\x01\n\x0e\x45ntropyRequest\x12!\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1f\n\x04slot\x18\x02 \x01(\x0b\x32\x11.duelq.v1.SlotRef\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.duelq.v1.RequestKey\"r\n\x0f\x45ntropyResponse\x12\x0f\n\x07\x65ntropy\x18\x01 \x01(\x01\x12\x0b\n\x03\x65ma\x18\x02 \x01(\x01\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.duelq.v1.RequestKey\x12\x10\n\x08replayed\x18\x05 \x01(\x08\"1\n\x07SlotRef\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12\x0f\n\x05index\x18\x02 \x01(\rH\x00\x42\x05\n\x03ref\"9\n\nActRequest\x12\x1b\n\x01h\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x0e\n\x06target\x18\x02 \x01(\x08\"e\n\x0b\x41\x63tResponse\x12\"\n\x08q_values\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x0f\n\x07version\x18\x03 \x01(\x04\"#\n\x11GetWeightsRequest\x12\x0e\n\x06target\x18\x01 \x01(\x08\"\xb4\x01\n\x07Weights\x12\x1d\n\x03w_v\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1d\n\x03\x62_v\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1d\n\x03W_a\x18\x03 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1d\n\x03\x62_a\x18\x04 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0e\n\x06target\x18\x07 \x01(\x08\"2\n\x0eReadISVRequest\x12 \n\x05slots\x18\x01 \x03(\x0b\x32\x11.duelq.v1.SlotRef\"G\n\x08ISVValue\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x02\x12\x10\n\x08observed\x18\x04 \x01(\x08\"/\n\tISVValues\x12\"\n\x06values\x18\x01 \x03(\x0b\x32\x12.duelq.v1.ISVValue\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xce\x01\n\x04Info\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_streams\x18\x08 \x01(\r\x12\x16\n\x0eserver_version\x18\t \x01(\t\x12\x11\n\tmax_queue\x18\n \x01(\r*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x05\x12\x0e\n\nDTYPE_BOOL\x10\x06\x32\x88\x04\n\x07Learner\x12<\n\tTrainStep\x12\x16.duelq.v1.TrainRequest\x1a\x17.duelq.v1.TrainResponse\x12\x42\n\x0bTrainStream\x12\x16.duelq.v1.TrainRequest\x1a\x17.duelq.v1.TrainResponse(\x01\x30\x01\x12\x45\n\x0e\x43omputeEntropy\x12\x18.duelq.v1.EntropyRequest\x1a\x19.duelq.v1.EntropyResponse\x12\x32\n\x03\x41\x63t\x12\x14.duelq.v1.ActRequest\x1a\x15.duelq.v1.ActResponse\x12<\n\nGetWeights\x12\x1b.duelq.v1.GetWeightsRequest\x1a\x11.duelq.v1.Weights\x12\x38\n\x07ReadISV\x12\x18.duelq.v1.ReadISVRequest\x1a\x13.duelq.v1.ISVValues\x12S\n\x0eSaveCheckpoint\x12\x1f.duelq.v1.SaveCheckpointRequest\x1a .duelq.v1.SaveCheckpointResponse\x12\x33\n\x07GetInfo\x12\x18.duelq.v1.GetInfoRequest\x1a\x0e.duelq.v1.Infob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64uelq/v1/learner.proto\x12\x08\x64uelq.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.duelq.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"+\n\nRequestKey\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"\xa0\x02\n\x0cTrainRequest\x12\x1d\n\x03h_t\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1f\n\x05h_tp1\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07\x61\x63tions\x18\x03 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07rewards\x18\x04 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1f\n\x05\x64ones\x18\x05 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12#\n\tdiscounts\x18\x06 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07weights\x18\x07 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x03key\x18\x08 \x01(\x0b\x32\x14.duelq.v1.RequestKey\"\x87\x02\n\rTrainResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12#\n\ttd_errors\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12$\n\npriorities\x18\x03 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x14\n\x0cq_taken_mean\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x14\n\x07\x65ntropy\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12!\n\x03key\x18\t \x01(\x0b\x32\x14.duelq.v1.RequestKey\x12\x10\n\x08replayed\x18\n \x01(\x08\x42\n\n\x08_entropy\"\x8d\x01\n\x15\x43omputeEntropyRequest\x12!\n\x07\x61\x63tions\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1f\n\x04slot\x18\x02 \x01(\x0b\x32\x11.duelq.v1.SlotRef\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.duelq.v1.RequestKey\"y\n\x16\x43omputeEntropyResponse\x12\x0f\n\x07\x65ntropy\x18\x01 \x01(\x01\x12\x0b\n\x03\x65ma\x18\x02 \x01(\x01\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.duelq.v1.RequestKey\x12\x10\n\x08replayed\x18\x05 \x01(\x08\"1\n\x07SlotRef\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12\x0f\n\x05index\x18\x02 \x01(\rH\x00\x42\x05\n\x03ref\"9\n\nActRequest\x12\x1b\n\x01h\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x0e\n\x06target\x18\x02 \x01(\x08\"e\n\x0b\x41\x63tResponse\x12\"\n\x08q_values\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12!\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x0f\n\x07version\x18\x03 \x01(\x04\"#\n\x11GetWeightsRequest\x12\x0e\n\x06target\x18\x01 \x01(\x08\"\xbf\x01\n\x12GetWeightsResponse\x12\x1d\n\x03w_v\x18\x01 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1d\n\x03\x62_v\x18\x02 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1d\n\x03w_a\x18\x03 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x1d\n\x03\x62_a\x18\x04 \x01(\x0b\x32\x10.duelq.v1.Tensor\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0e\n\x06target\x18\x07 \x01(\x08\"2\n\x0eReadISVRequest\x12 \n\x05slots\x18\x01 \x03(\x0b\x32\x11.duelq.v1.SlotRef\"G\n\x08ISVValue\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x02\x12\x10\n\x08observed\x18\x04 \x01(\x08\"5\n\x0fReadISVResponse\x12\"\n\x06values\x18\x01 \x03(\x0b\x32\x12.duelq.v1.ISVValue\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xc8\x03\n\rLearnerConfig\x12\x12\n\nhidden_dim\x18\x01 \x01(\r\x12\x11\n\tn_actions\x18\x02 \x01(\r\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x05 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x06 \x01(\x01\x12\x10\n\x08\x61\x64\x61m_eps\x18\x07 \x01(\x01\x12\x13\n\x0bhuber_kappa\x18\x08 \x01(\x01\x12\x12\n\ndouble_dqn\x18\t \x01(\x08\x12\x15\n\rmax_grad_norm\x18\n \x01(\x01\x12\x0b\n\x03tau\x18\x0b \x01(\x01\x12\x1c\n\x14target_update_period\x18\x0c \x01(\r\x12\x14\n\x0cpriority_eps\x18\r \x01(\x01\x12\x10\n\x08isv_size\x18\x0e \x01(\r\x12\x38\n\tisv_slots\x18\x0f \x03(\x0b\x32%.duelq.v1.LearnerConfig.IsvSlotsEntry\x12\x19\n\x11step_entropy_slot\x18\x10 \x01(\t\x12\x1a\n\x12step_entropy_alpha\x18\x11 \x01(\x01\x12\x0c\n\x04seed\x18\x12 \x01(\x04\x1a/\n\rIsvSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x82\x02\n\x0fGetInfoResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_streams\x18\x08 \x01(\r\x12\x16\n\x0eserver_version\x18\t \x01(\t\x12\x11\n\tmax_queue\x18\n \x01(\r\x12\'\n\x06\x63onfig\x18\x0b \x01(\x0b\x32\x17.duelq.v1.LearnerConfig*\x8a\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x05\x12\x0e\n\nDTYPE_BOOL\x10\x06\x32\xb2\x04\n\x07Learner\x12<\n\tTrainStep\x12\x16.duelq.v1.TrainRequest\x1a\x17.duelq.v1.TrainResponse\x12\x42\n\x0bTrainStream\x12\x16.duelq.v1.TrainRequest\x1a\x17.duelq.v1.TrainResponse(\x01\x30\x01\x12S\n\x0e\x43omputeEntropy\x12\x1f.duelq.v1.ComputeEntropyRequest\x1a .duelq.v1.ComputeEntropyResponse\x12\x32\n\x03\x41\x63t\x12\x14.duelq.v1.ActRequest\x1a\x15.duelq.v1.ActResponse\x12G\n\nGetWeights\x12\x1b.duelq.v1.GetWeightsRequest\x1a\x1c.duelq.v1.GetWeightsResponse\x12>\n\x07ReadISV\x12\x18.duelq.v1.ReadISVRequest\x1a\x19.duelq.v1.ReadISVResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.duelq.v1.SaveCheckpointRequest\x1a .duelq.v1.SaveCheckpointResponse\x12>\n\x07GetInfo\x12\x18.duelq.v1.GetInfoRequest\x1a\x19.duelq.v1.GetInfoResponseB!P\x01Z\x1d\x64uelq/gen/go/duelq/v1;duelqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duelq.v1.learner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1876
-  _globals['_DTYPE']._serialized_end=2014
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'P\001Z\035duelq/gen/go/duelq/v1;duelqv1'
+  _globals['_LEARNERCONFIG_ISVSLOTSENTRY']._loaded_options = None
+  _globals['_LEARNERCONFIG_ISVSLOTSENTRY']._serialized_options = b'8\001'
+  _globals['_DTYPE']._serialized_start=2418
+  _globals['_DTYPE']._serialized_end=2556
   _globals['_TENSOR']._serialized_start=36
   _globals['_TENSOR']._serialized_end=105
   _globals['_REQUESTKEY']._serialized_start=107
@@ -41,34 +44,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINREQUEST']._serialized_end=441
   _globals['_TRAINRESPONSE']._serialized_start=444
   _globals['_TRAINRESPONSE']._serialized_end=707
-  _globals['_ENTROPYREQUEST']._serialized_start=710
-  _globals['_ENTROPYREQUEST']._serialized_end=844
-  _globals['_ENTROPYRESPONSE']._serialized_start=846
-  _globals['_ENTROPYRESPONSE']._serialized_end=960
-  _globals['_SLOTREF']._serialized_start=962
-  _globals['_SLOTREF']._serialized_end=1011
-  _globals['_ACTREQUEST']._serialized_start=1013
-  _globals['_ACTREQUEST']._serialized_end=1070
-  _globals['_ACTRESPONSE']._serialized_start=1072
-  _globals['_ACTRESPONSE']._serialized_end=1173
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=1175
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=1210
-  _globals['_WEIGHTS']._serialized_start=1213
-  _globals['_WEIGHTS']._serialized_end=1393
-  _globals['_READISVREQUEST']._serialized_start=1395
-  _globals['_READISVREQUEST']._serialized_end=1445
-  _globals['_ISVVALUE']._serialized_start=1447
-  _globals['_ISVVALUE']._serialized_end=1518
-  _globals['_ISVVALUES']._serialized_start=1520
-  _globals['_ISVVALUES']._serialized_end=1567
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1569
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1592
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1594
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1646
-  _globals['_GETINFOREQUEST']._serialized_start=1648
-  _globals['_GETINFOREQUEST']._serialized_end=1664
-  _globals['_INFO']._serialized_start=1667
-  _globals['_INFO']._serialized_end=1873
-  _globals['_LEARNER']._serialized_start=2017
-  _globals['_LEARNER']._serialized_end=2537
+  _globals['_COMPUTEENTROPYREQUEST']._serialized_start=710
+  _globals['_COMPUTEENTROPYREQUEST']._serialized_end=851
+  _globals['_COMPUTEENTROPYRESPONSE']._serialized_start=853
+  _globals['_COMPUTEENTROPYRESPONSE']._serialized_end=974
+  _globals['_SLOTREF']._serialized_start=976
+  _globals['_SLOTREF']._serialized_end=1025
+  _globals['_ACTREQUEST']._serialized_start=1027
+  _globals['_ACTREQUEST']._serialized_end=1084
+  _globals['_ACTRESPONSE']._serialized_start=1086
+  _globals['_ACTRESPONSE']._serialized_end=1187
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=1189
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=1224
+  _globals['_GETWEIGHTSRESPONSE']._serialized_start=1227
+  _globals['_GETWEIGHTSRESPONSE']._serialized_end=1418
+  _globals['_READISVREQUEST']._serialized_start=1420
+  _globals['_READISVREQUEST']._serialized_end=1470
+  _globals['_ISVVALUE']._serialized_start=1472
+  _globals['_ISVVALUE']._serialized_end=1543
+  _globals['_READISVRESPONSE']._serialized_start=1545
+  _globals['_READISVRESPONSE']._serialized_end=1598
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1600
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1623
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1625
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1677
+  _globals['_GETINFOREQUEST']._serialized_start=1679
+  _globals['_GETINFOREQUEST']._serialized_end=1695
+  _globals['_LEARNERCONFIG']._serialized_start=1698
+  _globals['_LEARNERCONFIG']._serialized_end=2154
+  _globals['_LEARNERCONFIG_ISVSLOTSENTRY']._serialized_start=2107
+  _globals['_LEARNERCONFIG_ISVSLOTSENTRY']._serialized_end=2154
+  _globals['_GETINFORESPONSE']._serialized_start=2157
+  _globals['_GETINFORESPONSE']._serialized_end=2415
+  _globals['_LEARNER']._serialized_start=2559
+  _globals['_LEARNER']._serialized_end=3121
 # @@protoc_insertion_point(module_scope)

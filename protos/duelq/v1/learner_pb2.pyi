@@ -7,32 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    DTYPE_UNSPECIFIED: _ClassVar[DType]
-    DTYPE_FLOAT32: _ClassVar[DType]
-    DTYPE_FLOAT16: _ClassVar[DType]
-    DTYPE_BFLOAT16: _ClassVar[DType]
-    DTYPE_INT32: _ClassVar[DType]
-    DTYPE_UINT8: _ClassVar[DType]
-    DTYPE_BOOL: _ClassVar[DType]
-DTYPE_UNSPECIFIED: DType
-DTYPE_FLOAT32: DType
-DTYPE_FLOAT16: DType
-DTYPE_BFLOAT16: DType
-DTYPE_INT32: DType
-DTYPE_UINT8: DType
-DTYPE_BOOL: DType
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_INT32: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
+    DTYPE_BOOL: _ClassVar[Dtype]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_INT32: Dtype
+DTYPE_UINT8: Dtype
+DTYPE_BOOL: Dtype
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    dtype: DType
+    dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RequestKey(_message.Message):
     __slots__ = ("actor_id", "seq")
@@ -86,7 +86,7 @@ class TrainResponse(_message.Message):
     replayed: bool
     def __init__(self, loss: _Optional[float] = ..., td_errors: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., q_taken_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., entropy: _Optional[float] = ..., key: _Optional[_Union[RequestKey, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
-class EntropyRequest(_message.Message):
+class ComputeEntropyRequest(_message.Message):
     __slots__ = ("actions", "slot", "alpha", "key")
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -98,7 +98,7 @@ class EntropyRequest(_message.Message):
     key: RequestKey
     def __init__(self, actions: _Optional[_Union[Tensor, _Mapping]] = ..., slot: _Optional[_Union[SlotRef, _Mapping]] = ..., alpha: _Optional[float] = ..., key: _Optional[_Union[RequestKey, _Mapping]] = ...) -> None: ...
 
-class EntropyResponse(_message.Message):
+class ComputeEntropyResponse(_message.Message):
     __slots__ = ("entropy", "ema", "slot", "key", "replayed")
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     EMA_FIELD_NUMBER: _ClassVar[int]
@@ -144,8 +144,8 @@ class GetWeightsRequest(_message.Message):
     target: bool
     def __init__(self, target: _Optional[bool] = ...) -> None: ...
 
-class Weights(_message.Message):
-    __slots__ = ("w_v", "b_v", "W_a", "b_a", "version", "step", "target")
+class GetWeightsResponse(_message.Message):
+    __slots__ = ("w_v", "b_v", "w_a", "b_a", "version", "step", "target")
     W_V_FIELD_NUMBER: _ClassVar[int]
     B_V_FIELD_NUMBER: _ClassVar[int]
     W_A_FIELD_NUMBER: _ClassVar[int]
@@ -155,12 +155,12 @@ class Weights(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     w_v: Tensor
     b_v: Tensor
-    W_a: Tensor
+    w_a: Tensor
     b_a: Tensor
     version: int
     step: int
     target: bool
-    def __init__(self, w_v: _Optional[_Union[Tensor, _Mapping]] = ..., b_v: _Optional[_Union[Tensor, _Mapping]] = ..., W_a: _Optional[_Union[Tensor, _Mapping]] = ..., b_a: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., target: _Optional[bool] = ...) -> None: ...
+    def __init__(self, w_v: _Optional[_Union[Tensor, _Mapping]] = ..., b_v: _Optional[_Union[Tensor, _Mapping]] = ..., w_a: _Optional[_Union[Tensor, _Mapping]] = ..., b_a: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., target: _Optional[bool] = ...) -> None: ...
 
 class ReadISVRequest(_message.Message):
     __slots__ = ("slots",)
@@ -180,7 +180,7 @@ class ISVValue(_message.Message):
     observed: bool
     def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., value: _Optional[float] = ..., observed: _Optional[bool] = ...) -> None: ...
 
-class ISVValues(_message.Message):
+class ReadISVResponse(_message.Message):
     __slots__ = ("values",)
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedCompositeFieldContainer[ISVValue]
@@ -202,8 +202,55 @@ class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class Info(_message.Message):
-    __slots__ = ("backend", "device", "config_json", "step", "version", "max_message_bytes", "max_batch_size", "max_streams", "server_version", "max_queue")
+class LearnerConfig(_message.Message):
+    __slots__ = ("hidden_dim", "n_actions", "optimizer", "lr", "beta1", "beta2", "adam_eps", "huber_kappa", "double_dqn", "max_grad_norm", "tau", "target_update_period", "priority_eps", "isv_size", "isv_slots", "step_entropy_slot", "step_entropy_alpha", "seed")
+    class IsvSlotsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    HIDDEN_DIM_FIELD_NUMBER: _ClassVar[int]
+    N_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    ADAM_EPS_FIELD_NUMBER: _ClassVar[int]
+    HUBER_KAPPA_FIELD_NUMBER: _ClassVar[int]
+    DOUBLE_DQN_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    TARGET_UPDATE_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_EPS_FIELD_NUMBER: _ClassVar[int]
+    ISV_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ISV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ENTROPY_SLOT_FIELD_NUMBER: _ClassVar[int]
+    STEP_ENTROPY_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    hidden_dim: int
+    n_actions: int
+    optimizer: str
+    lr: float
+    beta1: float
+    beta2: float
+    adam_eps: float
+    huber_kappa: float
+    double_dqn: bool
+    max_grad_norm: float
+    tau: float
+    target_update_period: int
+    priority_eps: float
+    isv_size: int
+    isv_slots: _containers.ScalarMap[str, int]
+    step_entropy_slot: str
+    step_entropy_alpha: float
+    seed: int
+    def __init__(self, hidden_dim: _Optional[int] = ..., n_actions: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., huber_kappa: _Optional[float] = ..., double_dqn: _Optional[bool] = ..., max_grad_norm: _Optional[float] = ..., tau: _Optional[float] = ..., target_update_period: _Optional[int] = ..., priority_eps: _Optional[float] = ..., isv_size: _Optional[int] = ..., isv_slots: _Optional[_Mapping[str, int]] = ..., step_entropy_slot: _Optional[str] = ..., step_entropy_alpha: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("backend", "device", "config_json", "step", "version", "max_message_bytes", "max_batch_size", "max_streams", "server_version", "max_queue", "config")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +261,7 @@ class Info(_message.Message):
     MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
     config_json: str
@@ -224,4 +272,5 @@ class Info(_message.Message):
     max_streams: int
     server_version: str
     max_queue: int
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_streams: _Optional[int] = ..., server_version: _Optional[str] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    config: LearnerConfig
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_streams: _Optional[int] = ..., server_version: _Optional[str] = ..., max_queue: _Optional[int] = ..., config: _Optional[_Union[LearnerConfig, _Mapping]] = ...) -> None: ...

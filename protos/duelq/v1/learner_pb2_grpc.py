@@ -28,6 +28,10 @@ if _version_not_supported:
 class LearnerStub:
     """A Dueling-DQN learner. Every state change (train step, entropy EMA) is
     applied one at a time in arrival order across all rpcs and streams.
+
+    Named Learner, not LearnerService: it is the learner, and its paths read
+    /duelq.v1.Learner/TrainStep.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def __init__(self, channel):
@@ -48,8 +52,8 @@ class LearnerStub:
                 _registered_method=True)
         self.ComputeEntropy = channel.unary_unary(
                 '/duelq.v1.Learner/ComputeEntropy',
-                request_serializer=duelq_dot_v1_dot_learner__pb2.EntropyRequest.SerializeToString,
-                response_deserializer=duelq_dot_v1_dot_learner__pb2.EntropyResponse.FromString,
+                request_serializer=duelq_dot_v1_dot_learner__pb2.ComputeEntropyRequest.SerializeToString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.ComputeEntropyResponse.FromString,
                 _registered_method=True)
         self.Act = channel.unary_unary(
                 '/duelq.v1.Learner/Act',
@@ -59,12 +63,12 @@ class LearnerStub:
         self.GetWeights = channel.unary_unary(
                 '/duelq.v1.Learner/GetWeights',
                 request_serializer=duelq_dot_v1_dot_learner__pb2.GetWeightsRequest.SerializeToString,
-                response_deserializer=duelq_dot_v1_dot_learner__pb2.Weights.FromString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.GetWeightsResponse.FromString,
                 _registered_method=True)
         self.ReadISV = channel.unary_unary(
                 '/duelq.v1.Learner/ReadISV',
                 request_serializer=duelq_dot_v1_dot_learner__pb2.ReadISVRequest.SerializeToString,
-                response_deserializer=duelq_dot_v1_dot_learner__pb2.ISVValues.FromString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.ReadISVResponse.FromString,
                 _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/duelq.v1.Learner/SaveCheckpoint',
@@ -74,18 +78,29 @@ class LearnerStub:
         self.GetInfo = channel.unary_unary(
                 '/duelq.v1.Learner/GetInfo',
                 request_serializer=duelq_dot_v1_dot_learner__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=duelq_dot_v1_dot_learner__pb2.Info.FromString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
 
 
 class LearnerServicer:
     """A Dueling-DQN learner. Every state change (train step, entropy EMA) is
     applied one at a time in arrival order across all rpcs and streams.
+
+    Named Learner, not LearnerService: it is the learner, and its paths read
+    /duelq.v1.Learner/TrainStep.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def TrainStep(self, request, context):
         """One batch, one step. Errors: INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
         FAILED_PRECONDITION, ALREADY_EXISTS, UNAVAILABLE.
+
+        TrainStep and TrainStream take the same TrainRequest and give the same
+        TrainResponse, since a batch is one step on either path; hence the
+        messages' names and the lint exceptions.
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,7 +112,10 @@ class LearnerServicer:
         streams' requests. A request that fails ends the stream with its status:
         every response received before it belongs to an applied request, it and
         the requests after it were not applied. Over max_streams open streams:
-        RESOURCE_EXHAUSTED.
+        RESOURCE_EXHAUSTED. Messages shared with TrainStep (see there).
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,8 +180,8 @@ def add_LearnerServicer_to_server(servicer, server):
             ),
             'ComputeEntropy': grpc.unary_unary_rpc_method_handler(
                     servicer.ComputeEntropy,
-                    request_deserializer=duelq_dot_v1_dot_learner__pb2.EntropyRequest.FromString,
-                    response_serializer=duelq_dot_v1_dot_learner__pb2.EntropyResponse.SerializeToString,
+                    request_deserializer=duelq_dot_v1_dot_learner__pb2.ComputeEntropyRequest.FromString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.ComputeEntropyResponse.SerializeToString,
             ),
             'Act': grpc.unary_unary_rpc_method_handler(
                     servicer.Act,
@@ -173,12 +191,12 @@ def add_LearnerServicer_to_server(servicer, server):
             'GetWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeights,
                     request_deserializer=duelq_dot_v1_dot_learner__pb2.GetWeightsRequest.FromString,
-                    response_serializer=duelq_dot_v1_dot_learner__pb2.Weights.SerializeToString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.GetWeightsResponse.SerializeToString,
             ),
             'ReadISV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadISV,
                     request_deserializer=duelq_dot_v1_dot_learner__pb2.ReadISVRequest.FromString,
-                    response_serializer=duelq_dot_v1_dot_learner__pb2.ISVValues.SerializeToString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.ReadISVResponse.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
@@ -188,7 +206,7 @@ def add_LearnerServicer_to_server(servicer, server):
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
                     request_deserializer=duelq_dot_v1_dot_learner__pb2.GetInfoRequest.FromString,
-                    response_serializer=duelq_dot_v1_dot_learner__pb2.Info.SerializeToString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.GetInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -201,6 +219,10 @@ def add_LearnerServicer_to_server(servicer, server):
 class Learner:
     """A Dueling-DQN learner. Every state change (train step, entropy EMA) is
     applied one at a time in arrival order across all rpcs and streams.
+
+    Named Learner, not LearnerService: it is the learner, and its paths read
+    /duelq.v1.Learner/TrainStep.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     @staticmethod
@@ -272,8 +294,8 @@ class Learner:
             request,
             target,
             '/duelq.v1.Learner/ComputeEntropy',
-            duelq_dot_v1_dot_learner__pb2.EntropyRequest.SerializeToString,
-            duelq_dot_v1_dot_learner__pb2.EntropyResponse.FromString,
+            duelq_dot_v1_dot_learner__pb2.ComputeEntropyRequest.SerializeToString,
+            duelq_dot_v1_dot_learner__pb2.ComputeEntropyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -327,7 +349,7 @@ class Learner:
             target,
             '/duelq.v1.Learner/GetWeights',
             duelq_dot_v1_dot_learner__pb2.GetWeightsRequest.SerializeToString,
-            duelq_dot_v1_dot_learner__pb2.Weights.FromString,
+            duelq_dot_v1_dot_learner__pb2.GetWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -354,7 +376,7 @@ class Learner:
             target,
             '/duelq.v1.Learner/ReadISV',
             duelq_dot_v1_dot_learner__pb2.ReadISVRequest.SerializeToString,
-            duelq_dot_v1_dot_learner__pb2.ISVValues.FromString,
+            duelq_dot_v1_dot_learner__pb2.ReadISVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -408,7 +430,7 @@ class Learner:
             target,
             '/duelq.v1.Learner/GetInfo',
             duelq_dot_v1_dot_learner__pb2.GetInfoRequest.SerializeToString,
-            duelq_dot_v1_dot_learner__pb2.Info.FromString,
+            duelq_dot_v1_dot_learner__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
