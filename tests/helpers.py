@@ -1,8 +1,14 @@
-"""Shared test helpers: random batches and configs."""
+"""Shared test helpers: random batches and configs, tools the tests run."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from duelq.server.core import Batch, LearnerConfig
 
@@ -26,3 +32,14 @@ def small_config(**overrides) -> LearnerConfig:
                   isv_slots={"action_entropy_ema": 5, "policy_entropy_ema": 2})
     values.update(overrides)
     return LearnerConfig(**values)
+
+
+def tool(name: str, install: str) -> str:
+    """The path of command ``name`` (on PATH or beside this Python); the test is skipped
+    where it is missing, except in CI, whose .ci/run installs it (``install`` says how)."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing; .ci/run should have installed it ({install})")
+        pytest.skip(f"{name} is not installed ({install})")
+    return found

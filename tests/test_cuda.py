@@ -352,7 +352,7 @@ def test_a_step_whose_loss_overflows_is_refused():
     assert not reference.train_step(state, huge, config, np.float32)[1].finite
     learner = Learner(config, backend=cuda_backend(config, state))
     before = learner.snapshot().checksum()
-    with pytest.raises(NonFiniteStep):
+    with pytest.raises(NonFiniteStep, match=r"step 1 refused: the loss overflowed to inf "):
         learner.step(huge)
     assert learner.snapshot().checksum() == before
 
@@ -411,12 +411,23 @@ def fresh_slot_backend(n_actions: int, slot: int = 583, value: float = 0.0, obse
 
 def test_entropy_all_one_action_is_zero_and_stays_observed():
     backend = fresh_slot_backend(11)
-    assert entropy_call(backend, np.full(1000, 3), 583, 0.2) == (0.0, 0.0)
+    h, ema = entropy_call(backend, np.full(1000, 3), 583, 0.2)
+    assert (h, ema) == (0.0, 0.0) and math.copysign(1, h) == math.copysign(1, ema) == 1  # +0.0
     values, observed = backend.read_isv(np.array([583]))
     assert values[0] == 0.0 and observed[0]
     h, ema = entropy_call(backend, np.arange(1100) % 11, 583, 0.2)  # EMA 0 is not re-bootstrapped
     assert_scalar("entropy", h, math.log(11), rtol=0, atol=1e-6)
     assert_scalar("ema", ema, 0.2 * math.log(11), rtol=0, atol=1e-6)
+
+
+def test_a_steps_entropy_of_one_action_is_plus_zero():
+    config = LearnerConfig(hidden_dim=64, n_actions=11, step_entropy_slot=SLOT)
+    rng = np.random.default_rng(8)
+    state = LearnerState.initial(config)
+    batch = dataclasses.replace(random_batch(rng, 300, config, state, True),
+                                actions=np.full(300, 4, np.int32))
+    result = Learner(config, backend=cuda_backend(config, state)).step(batch)
+    assert result.entropy == 0.0 and math.copysign(1, result.entropy) == 1
 
 
 @pytest.mark.parametrize("N", [2, 11, 18, 32, 33, 100, 1024])

@@ -113,7 +113,7 @@ def test_16_bit_features_are_kept_only_for_a_backend_that_takes_them(dtype):
 def test_non_finite_step_is_refused_and_state_unchanged(learner):
     before = learner.snapshot().checksum()
     huge = good(h_t=np.full((4, H), 3e38, np.float32))  # finite input, overflowing Q
-    with pytest.raises(NonFiniteStep, match="step 2 refused"):
+    with pytest.raises(NonFiniteStep, match=r"^step 2 refused: .+; the state is unchanged$"):
         learner.step(huge)
     assert learner.snapshot().checksum() == before
     assert learner.step(good()).step == 2
@@ -123,9 +123,30 @@ def test_a_step_whose_loss_overflows_is_refused():
     # finite gradients and weights (tiny lr), but Σ w·huber(δ) overflows float32
     lrn = Learner(small_config(optimizer="sgd", lr=1e-30), backend="reference")
     before = lrn.snapshot().checksum()
-    with pytest.raises(NonFiniteStep):
+    with pytest.raises(NonFiniteStep, match=r"^step 1 refused: the loss overflowed to inf "
+                                            r"\(gradient norm [0-9.e+]+\); the state is unchanged$"):
         lrn.step(good(rewards=f32(100, 100, 100, 100), weights=f32(1e38, 1e38, 1e38, 1e38)))
     assert lrn.snapshot().checksum() == before
+
+
+def test_a_refusal_says_what_overflowed_first():
+    config = small_config()
+    state = LearnerState.initial(config)
+    state.params.w_v[:] = 1.0                      # V = Σ h_t = 8e38: Q and δ overflow
+    lrn = Learner(config, backend="reference", state=state)
+    with pytest.raises(NonFiniteStep, match=r"^step 1 refused: 4 of 4 TD errors are non-finite "
+                                            r"\(the Q-values overflowed\); the state is unchanged$"):
+        lrn.step(good(h_t=np.full((4, H), 1e38, np.float32)))
+    lrn = Learner(small_config(optimizer="sgd", lr=1e38), backend="reference")
+    with pytest.raises(NonFiniteStep, match=r"^step 1 refused: the update would make the weights "
+                                            r"or the Adam moments non-finite \(gradient norm"):
+        lrn.step(good(weights=f32(1e3, 1e3, 1e3, 1e3)))     # finite loss and gradient
+
+
+def test_a_steps_entropy_of_one_action_is_plus_zero():
+    lrn = Learner(small_config(step_entropy_slot="action_entropy_ema"), backend="reference")
+    result = lrn.step(good(actions=np.full(4, 1, np.int32)))
+    assert result.entropy == 0.0 and math.copysign(1, result.entropy) == 1
 
 
 def test_step_result_shapes_and_priorities(learner):
@@ -162,6 +183,7 @@ def test_one_action_gives_zero_and_a_zero_ema_stays_observed(learner):
     ones = np.full(10, 2, np.int32)
     first = learner.compute_entropy(ones, "action_entropy_ema", 0.3)
     assert first.entropy == 0.0 and first.ema == 0.0
+    assert math.copysign(1, first.entropy) == math.copysign(1, first.ema) == 1   # +0.0
     [value] = learner.read_isv(["action_entropy_ema"])
     assert value.observed and value.value == 0.0 and value.name == "action_entropy_ema"
     # the seeds' `prev == 0.0` sentinel would re-bootstrap here to ln 2; we blend:
