@@ -34,12 +34,17 @@ def small_config(**overrides) -> LearnerConfig:
     return LearnerConfig(**values)
 
 
+def missing(what: str, install: str) -> None:
+    """Skip a test for lack of ``what`` here; fail it in CI, whose .ci/run installs it
+    (``install`` says how)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing; .ci/run should have installed it ({install})")
+    pytest.skip(f"{what} is not installed ({install})")
+
+
 def tool(name: str, install: str) -> str:
-    """The path of command ``name`` (on PATH or beside this Python); the test is skipped
-    where it is missing, except in CI, whose .ci/run installs it (``install`` says how)."""
+    """The path of command ``name``, on PATH or beside this Python (see :func:`missing`)."""
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if found is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is missing; .ci/run should have installed it ({install})")
-        pytest.skip(f"{name} is not installed ({install})")
+        missing(name, install)
     return found
