@@ -440,9 +440,10 @@ class LearnerClient:
         """Fold the entropy of ``actions`` [M] into ISV ``slot`` as an EMA with rate α."""
         if not isinstance(actions, np.ndarray) or actions.ndim != 1:
             raise _bad("actions", "must be a 1-D numpy array")
-        request = pb.ComputeEntropyRequest(actions=encode(_vector("actions", actions, actions.shape[0]),
-                                                   "actions"),
-                                    slot=_slot_ref(slot), alpha=float(alpha), key=self._key())
+        actions = _vector("actions", actions, actions.shape[0])
+        request = pb.ComputeEntropyRequest(actions=encode(actions, "actions"),
+                                           slot=_slot_ref(slot), alpha=float(alpha),
+                                           key=self._key())
         response = self._call(self._stub.ComputeEntropy, request)
         return EntropyResult(response.entropy, response.ema, response.slot, response.replayed)
 

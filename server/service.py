@@ -61,7 +61,8 @@ def _version() -> str:
 SERVER_VERSION = _version()
 
 #: The recorded response types, by name, for idempotency records in checkpoints.
-REPLAY_KINDS = {"TrainResponse": pb.TrainResponse, "ComputeEntropyResponse": pb.ComputeEntropyResponse}
+REPLAY_KINDS = {"TrainResponse": pb.TrainResponse,
+                "ComputeEntropyResponse": pb.ComputeEntropyResponse}
 
 
 class NotServing(LearnerError):

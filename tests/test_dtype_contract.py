@@ -1,5 +1,6 @@
 """The dtype contract, cell by cell: every request tensor field × every wire dtype through a
-real server (one process, and two front processes that pack requests themselves).
+real server (one process, and two front processes that pack requests themselves; on the
+reference backend and, marked gpu, on cuda).
 
 A cell's values are 0s and 1s, valid in every dtype, so a cell is refused for its dtype
 alone.  A dtype the field takes (learner.proto, FIELD_DTYPES) is applied exactly as the
@@ -21,6 +22,7 @@ import pytest
 from duelq.client import LearnerClient, errors
 from duelq.server.core import InvalidArgument, Learner
 from duelq.server.core.checkpoint import load_checkpoint
+from duelq.server.core.learner import cuda_usable
 from duelq.server.fronts import start_server
 from duelq.server.server import ServerOptions
 from duelq.v1 import learner_pb2 as pb
@@ -67,11 +69,11 @@ def refusal(field: str, dtype: str) -> str:
 class Cells:
     """A server and a local learner kept in step: each applied cell is applied to both."""
 
-    def __init__(self, server, tmp_path, rng):
-        self.server, self.tmp_path, self.rng = server, tmp_path, rng
+    def __init__(self, server, backend: str, rng):
+        self.server, self.rng = server, rng
         self.channel = grpc.insecure_channel(server.target)
         self.stub = pb_grpc.LearnerStub(self.channel)
-        self.local = Learner(SMALL, backend="reference")
+        self.local = Learner(SMALL, backend=backend)
 
     def state_checksum(self) -> str:
         path = self.stub.SaveCheckpoint(pb.SaveCheckpointRequest(), timeout=30).path
@@ -125,14 +127,19 @@ def _as(batch: Batch, field: str, dtype: str) -> Batch:
     return dataclasses.replace(batch, **{field: getattr(batch, field).astype(NUMPY[dtype])})
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not cuda_usable()[0], reason=f"no usable GPU: {cuda_usable()[1]}")])
+
+
+@pytest.mark.parametrize("backend", ["reference", CUDA])
 @pytest.mark.parametrize("fronts", [0, 2], ids=["one process", "two front processes"])
-def test_every_field_takes_exactly_its_dtypes_through_the_wire(tmp_path, fronts):
+def test_every_field_takes_exactly_its_dtypes_through_the_wire(tmp_path, fronts, backend):
     server = start_server(SMALL, ServerOptions(port=0, front_processes=fronts,
                                                checkpoint_dir=str(tmp_path),
                                                checkpoint_every_seconds=0),
-                          backend="reference")
+                          backend=backend)
     try:
-        cells = Cells(server, tmp_path, np.random.default_rng(fronts))
+        cells = Cells(server, backend, np.random.default_rng(fronts))
         for field, dtype in CELLS:
             cells.check(field, dtype)
         cells.channel.close()

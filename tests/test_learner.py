@@ -124,7 +124,8 @@ def test_a_step_whose_loss_overflows_is_refused():
     lrn = Learner(small_config(optimizer="sgd", lr=1e-30), backend="reference")
     before = lrn.snapshot().checksum()
     with pytest.raises(NonFiniteStep, match=r"^step 1 refused: the loss overflowed to inf "
-                                            r"\(gradient norm [0-9.e+]+\); the state is unchanged$"):
+                                            r"\(gradient norm [0-9.e+]+\); the state is "
+                                            r"unchanged$"):
         lrn.step(good(rewards=f32(100, 100, 100, 100), weights=f32(1e38, 1e38, 1e38, 1e38)))
     assert lrn.snapshot().checksum() == before
 
@@ -135,7 +136,8 @@ def test_a_refusal_says_what_overflowed_first():
     state.params.w_v[:] = 1.0                      # V = Σ h_t = 8e38: Q and δ overflow
     lrn = Learner(config, backend="reference", state=state)
     with pytest.raises(NonFiniteStep, match=r"^step 1 refused: 4 of 4 TD errors are non-finite "
-                                            r"\(the Q-values overflowed\); the state is unchanged$"):
+                                            r"\(the Q-values overflowed\); the state is "
+                                            r"unchanged$"):
         lrn.step(good(h_t=np.full((4, H), 1e38, np.float32)))
     lrn = Learner(small_config(optimizer="sgd", lr=1e38), backend="reference")
     with pytest.raises(NonFiniteStep, match=r"^step 1 refused: the update would make the weights "

@@ -76,7 +76,7 @@ def test_act_and_entropy_over_the_batch_limit_are_resource_exhausted(make_server
     before = server.learner.snapshot().checksum()
     act = pb.ActRequest(h=encode(np.zeros((17, SMALL.hidden_dim), np.float32), "h"))
     entropy = pb.ComputeEntropyRequest(actions=encode(np.zeros(17, np.int32), "actions"),
-                                slot=pb.SlotRef(name="policy_entropy_ema"), alpha=0.5)
+                                       slot=pb.SlotRef(name="policy_entropy_ema"), alpha=0.5)
     for call, request in ((s.Act, act), (s.ComputeEntropy, entropy)):
         with pytest.raises(grpc.RpcError) as info:
             call(request, timeout=10)

@@ -126,8 +126,8 @@ def test_keys_may_arrive_out_of_order_and_entropy_is_keyed_too(server, rng):
     assert s.TrainStep(train_request(rng, actor="a", seq=3)).step == 2
     assert s.TrainStep(train_request(rng, actor="b", seq=5)).step == 3
     entropy = pb.ComputeEntropyRequest(actions=encode(np.array([0, 1, 1], np.int32), "a"),
-                                slot=pb.SlotRef(name="policy_entropy_ema"), alpha=0.5,
-                                key=pb.RequestKey(actor_id="a", seq=6))
+                                       slot=pb.SlotRef(name="policy_entropy_ema"), alpha=0.5,
+                                       key=pb.RequestKey(actor_id="a", seq=6))
     first, again = s.ComputeEntropy(entropy), s.ComputeEntropy(entropy)
     assert not first.replayed and again.replayed and again.ema == first.ema
     code, details = code_of(s.TrainStep, train_request(rng, actor="a", seq=6))
@@ -310,7 +310,7 @@ def test_bad_train_input_is_invalid_argument_naming_the_field(server, rng, case)
 
 def _entropy(slot=pb.SlotRef(name="action_entropy_ema"), alpha=0.1, actions=(0, 1, 2)):
     return pb.ComputeEntropyRequest(actions=encode(np.array(actions, np.int32), "actions"),
-                             slot=slot, alpha=alpha)
+                                    slot=slot, alpha=alpha)
 
 
 BAD_OTHER = {
