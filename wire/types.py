@@ -100,3 +100,21 @@ class Transitions:
     @property
     def size(self) -> int:
         return int(np.shape(self.actions)[0]) if np.ndim(self.actions) else 0
+
+
+@dataclass(frozen=True)
+class ReplayInfo:
+    """A replay buffer's figures (ReplayInfo in learner.proto)."""
+
+    capacity: int
+    size: int
+    inserted: int
+    sampled: int
+    draws: int
+    cursor: int
+    ratio: float          # sampled / inserted (0 before any insert)
+    target_ratio: float   # replay_ratio; 0: trains on request only
+    beta: float           # β of the next draw
+    batch_size: int
+    min_size: int
+    dtype: str

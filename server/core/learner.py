@@ -24,10 +24,10 @@ from duelq.server.core.batch import (FEATURE_DTYPES, Batch, PackedBatch, validat
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import (InvalidArgument, NonFiniteStep, ReplayNotReady,
                                       ReplayTooLarge, ResourceExhausted)
-from duelq.server.core.replay import (ReferenceReplay, ReplayBuffer, ReplayInfo, ReplayRun,
+from duelq.server.core.replay import (ReferenceReplay, ReplayBuffer, ReplayRun,
                                       ReplayState, replay_bytes, validate_transitions)
 from duelq.server.core.state import LearnerState, Params
-from duelq.wire.types import Transitions
+from duelq.wire.types import ReplayInfo, Transitions
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from duelq.server.core.backend import Backend
 from duelq.server.core.batch import validate_batch
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument, ReplayNotReady
-from duelq.wire.types import BFLOAT16, Batch, Transitions
+from duelq.wire.types import BFLOAT16, Batch, ReplayInfo, Transitions
 
 FANOUT = 32                 # children per tree node: a warp's lanes
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -419,24 +419,6 @@ class ReplayRun:
     losses: np.ndarray         # [steps] float64, each applied step's mean loss
     q_taken_means: np.ndarray  # [steps] float64
     grad_norms: np.ndarray     # [steps] float64, before clipping
-
-
-@dataclass(frozen=True)
-class ReplayInfo:
-    """The buffer's figures."""
-
-    capacity: int
-    size: int
-    inserted: int
-    sampled: int
-    draws: int
-    cursor: int
-    ratio: float          # sampled / inserted (0 before any insert)
-    target_ratio: float   # replay_ratio; 0: trains on request only
-    beta: float           # β of the next draw
-    batch_size: int
-    min_size: int
-    dtype: str
 
 
 def replay_bytes(config: LearnerConfig) -> int:
