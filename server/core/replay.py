@@ -119,6 +119,18 @@ def tree_levels(capacity: int) -> list[int]:
             return sizes + [1]
 
 
+def tree_layout(capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """What kernels/replay.cu's ``tree_offset`` and ``tree_nodes`` hold (the host writes them
+    after compiling it with -DCAPACITY and -DTREE_DEPTH = D): for levels k = 1..D, at index
+    k, their first entries in the concatenated sums and mins arrays and their node counts;
+    index 0 holds 0 and C.  [D + 1] int64 each."""
+    entries = tree_levels(capacity)[1:]                                    # levels 1..D
+    offsets = np.concatenate([[0], np.cumsum([0] + entries[:-1])]).astype(np.int64)
+    nodes = np.array([capacity] + [-(-capacity // FANOUT ** k)
+                                   for k in range(1, len(entries) + 1)], np.int64)
+    return offsets, nodes
+
+
 def butterfly_sums(children: np.ndarray) -> np.ndarray:
     """Sums of consecutive groups of 32 float64 values ([n·32] → [n]) as a warp's xor
     butterfly (offsets 16, 8, 4, 2, 1) leaves them in lane 0."""
