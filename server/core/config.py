@@ -72,7 +72,7 @@ class LearnerConfig:
     replay_beta_steps: int = 0
     """Draws over which β anneals linearly to 1 (draws, ≥ 0); 0 keeps β constant."""
     replay_batch_size: int = 256
-    """B of a learner step drawn from the replay buffer (rows, in [1, 65536])."""
+    """B of a learner step drawn from the replay (rows, in [1, 65536])."""
     replay_min_size: int = 256
     """Rows the replay buffer must hold before it trains (rows, in [1, replay_capacity])."""
     replay_ratio: float = 0.0
