@@ -69,7 +69,7 @@ class ServerOptions:
     max_batch_size: int = 16384
     """Largest B of a train or act request, M of an entropy request."""
     max_streams: int = 32
-    """TrainStreams open at once."""
+    """TrainStreams and InsertStreams open at once."""
     max_rpcs: int = 64
     """Rpcs (streams included) running at once; also the worker thread count."""
     replay_cache: int = 1024

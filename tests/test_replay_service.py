@@ -229,3 +229,25 @@ def test_replay_settings_are_flags_and_environment_variables(monkeypatch):
     bad = cli.build_parser().parse_args(["serve", "--replay-capacity", "10"])
     with pytest.raises(cli.UsageError, match="--replay-min-size"):
         cli.from_args(LearnerConfig, bad)
+
+
+def test_metrics_show_the_buffers_figures(make_server):
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(CONFIG, metrics_port=port)
+    with LearnerClient(server.target) as client:
+        client.insert(rows(np.random.default_rng(9), 20))
+        client.train_replay(2)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {(s.name, tuple(s.labels.values())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("duelq_replay_rows", ("size",))] == 20
+    assert samples[("duelq_replay_rows", ("sampled",))] == 32
+    assert samples[("duelq_replay_ratio", ())] == 32 / 20
+    assert samples[("duelq_step", ())] == 2
