@@ -249,6 +249,7 @@ def test_a_non_finite_step_halts_the_run_where_the_reference_says():
 
 
 def test_a_resumed_buffer_continues_bit_identically():
+    pytest.importorskip("safetensors")
     case = CASES[2]
     a, _ = learners(case)
     rng = np.random.default_rng(7)
@@ -275,6 +276,8 @@ def test_a_buffer_that_does_not_fit_the_device_is_refused():
 
 
 def test_a_cuda_server_trains_from_its_buffer(tmp_path):
+    for package in ("grpc_health", "grpc_reflection", "prometheus_client", "safetensors"):
+        pytest.importorskip(package, reason="the server's packages are not installed here")
     from duelq.client import LearnerClient
     from duelq.server.fronts import start_server
     from duelq.server.server import ServerOptions

@@ -47,8 +47,6 @@ import struct
 from dataclasses import dataclass, replace
 
 import numpy as np
-import safetensors
-import safetensors.numpy
 
 from duelq.server.core.backend import Backend
 from duelq.server.core.batch import validate_batch
@@ -298,12 +296,14 @@ class ReplayState:
                 tensors[name] = tensors[name].view(np.uint16)
         meta = {n: getattr(self, n) for n in self.COUNTERS}
         meta["max_priority"] = float(np.float32(self.max_priority))
+        import safetensors.numpy   # here: the learner core imports on a bare GPU image
         return safetensors.numpy.save(tensors, metadata={self.META_KEY: json.dumps(meta)})
 
     @classmethod
     def from_bytes(cls, data: bytes, config: LearnerConfig) -> "ReplayState":
         """Read :meth:`to_bytes`'s output for a buffer configured as ``config``, strictly:
         raises ValueError saying what does not fit."""
+        import safetensors.numpy
         try:
             tensors = safetensors.numpy.load(bytes(data))
             meta = _metadata(data).get(cls.META_KEY)
