@@ -7,7 +7,8 @@ with their field docstrings as help, so a new knob becomes a flag by itself.
 
 Exit codes: 0 success (also a clean shutdown on SIGINT/SIGTERM), 1 a runtime
 failure (cannot bind, no usable backend, the final checkpoint could not be
-written, the demo failed), 2 a usage or configuration error, 3 the newest
+written, the demo failed), 2 a usage or configuration error (a replay buffer too large for
+its device included), 3 the newest
 checkpoint in ``--checkpoint-dir`` is unreadable, corrupt or was made with
 another configuration (``duelq serve`` never starts fresh over it).
 """
@@ -32,7 +33,7 @@ from duelq.apps.gym_actor import OPTIMAL_RETURN
 
 from duelq.apps.demo import run_demo
 from duelq.apps.gym_demo import env_config
-from duelq.server.core.errors import InvalidArgument
+from duelq.server.core.errors import InvalidArgument, ReplayTooLarge
 from duelq.server.core.learner import BACKENDS
 from duelq.server.fronts import make_server
 from duelq.server.logs import setup_logging
@@ -195,7 +196,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="duelq", description="A gRPC learner service for a Dueling-DQN head.",
-        epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error, "
+        epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error "
+               "(a replay buffer too large for its device too), "
                "3 refused checkpoint (corrupt or another configuration). "
                "Every flag also reads DUELQ_<FLAG> from the environment.")
     add_flag(parser, "log_level", "str", "", "logging level (DEBUG, INFO, WARNING, ERROR; "
@@ -274,6 +276,9 @@ def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM: bind, resume or build the learner, SERVING; on a signal
     NOT_SERVING, drain, final checkpoint, exit 0."""
     config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
+    if options.front_processes and config.replay_capacity:
+        raise UsageError("--replay-capacity: the server-side replay buffer runs with the "
+                         "one-process server only (--front-processes 0)")
     try:
         server = make_server(options)
     except InvalidArgument as exc:  # an unreadable or empty --token-file
@@ -297,6 +302,11 @@ def serve(args: argparse.Namespace) -> int:
                   "configuration to match it)", exc)
         server.stop(0)
         return EXIT_CHECKPOINT
+    except ReplayTooLarge as exc:
+        log.error("%s: refusing to start (lower --replay-capacity, or store 16-bit rows with "
+                  "--replay-dtype)", exc)
+        server.stop(0)
+        return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 — any backend failure ends the command
         log.error("cannot start the %s backend: %s", args.backend, exc)
         server.stop(0)

@@ -4,11 +4,13 @@
 (``duelq.wire.types``).
 """
 
-from duelq.wire.types import Batch
+from duelq.wire.types import Batch, Transitions
 
 from duelq.client import errors
-from duelq.client.client import (ActResult, EntropyResult, ISVValue, LearnerClient, ServerInfo,
-                     TrainResult, Weights, encode_batch)
+from duelq.client.client import (ActResult, EntropyResult, InsertResult, ISVValue, LearnerClient,
+                     ReplayInfo, ReplayTrainResult, ServerInfo, TrainResult, Weights,
+                     encode_batch)
 
-__all__ = ["ActResult", "Batch", "EntropyResult", "ISVValue", "LearnerClient", "ServerInfo",
-           "TrainResult", "Weights", "encode_batch", "errors"]
+__all__ = ["ActResult", "Batch", "EntropyResult", "ISVValue", "InsertResult", "LearnerClient",
+           "ReplayInfo", "ReplayTrainResult", "ServerInfo", "TrainResult", "Transitions",
+           "Weights", "encode_batch", "errors"]

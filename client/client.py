@@ -14,6 +14,7 @@ raised as a :mod:`duelq.client.errors` exception.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -38,7 +39,8 @@ from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.client import errors
 from duelq.wire import tensors
 from duelq.wire.tensors import WIRE_DTYPES, floating, varint
-from duelq.wire.types import FIELD_DTYPES, PARAM_NAMES, Batch, Params, spell, wrong_dtype
+from duelq.wire.types import (FIELD_DTYPES, PARAM_NAMES, Batch, Params, ReplayInfo, Transitions,
+                              spell, wrong_dtype)
 
 FEATURE_WIRE_DTYPES = FIELD_DTYPES["h"]
 
@@ -57,6 +59,33 @@ class TrainResult:
     entropy: float | None
     seq: int                 # this client's sequence number of the batch
     replayed: bool           # the server returned a recorded result of a retry
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """The acknowledgement of one insert into the server's replay buffer (InsertStreamResponse)."""
+
+    rows: int        # rows this insert stored
+    size: int        # rows in the buffer after it
+    inserted: int    # rows inserted into the buffer by every actor so far
+    version: int     # the server's weights version: pull new weights when it grows
+    step: int
+    seq: int         # this client's sequence number of the insert
+    replayed: bool   # the server returned a recorded result of a retry
+
+
+@dataclass(frozen=True)
+class ReplayTrainResult:
+    """What TrainReplay's steps did (TrainReplayResponse)."""
+
+    steps: int           # steps applied
+    refused: bool        # a step would have been non-finite: refused, the rest not run
+    loss: float          # means over the applied steps
+    q_taken_mean: float
+    grad_norm: float
+    step: int
+    version: int
+    replayed: bool
 
 
 @dataclass(frozen=True)
@@ -178,24 +207,43 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
     return value
 
 
-#: TrainRequest's tensor fields and their field numbers (learner.proto).
+#: TrainRequest's and InsertStreamRequest's tensor fields and their field numbers (learner.proto).
 TRAIN_FIELDS = {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5, "discounts": 6,
                 "weights": 7}
-_KEY_FIELD = 8
+INSERT_FIELDS = {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5, "discounts": 6,
+                 "priorities": 7}
+_KEY_FIELD = 8   # both messages'
+
+
+def _row_arrays(rows: Batch | Transitions, optional: str,
+                feature_dtype: str) -> list[tuple[str, np.ndarray, str | None]]:
+    """The checked arrays of a batch or of transitions in field order, each with its wire
+    dtype; ``optional`` names the last vector, sent when it is not None."""
+    feature_dtype = _feature_dtype(feature_dtype)
+    arrays = [("h_t", _feature_array("h_t", rows.h_t, feature_dtype), feature_dtype)]
+    count = rows.h_t.shape[0]
+    arrays.append(("h_tp1", _feature_array("h_tp1", rows.h_tp1, feature_dtype, like=rows.h_t),
+                   feature_dtype))
+    vectors = ("actions", "rewards", "dones", "discounts") + (
+        (optional,) if getattr(rows, optional) is not None else ())
+    return arrays + [(name, _vector(name, getattr(rows, name), count), None)
+                     for name in vectors]
 
 
 def _batch_arrays(batch: Batch, feature_dtype: str) -> list[tuple[str, np.ndarray, str | None]]:
     """The checked arrays of ``batch`` in field order, each with its wire dtype."""
     if not isinstance(batch, Batch):
         raise _bad("batch", f"must be a duelq.client.Batch, got {type(batch).__name__}")
-    feature_dtype = _feature_dtype(feature_dtype)
-    arrays = [("h_t", _feature_array("h_t", batch.h_t, feature_dtype), feature_dtype)]
-    rows = batch.h_t.shape[0]
-    arrays.append(("h_tp1", _feature_array("h_tp1", batch.h_tp1, feature_dtype, like=batch.h_t),
-                   feature_dtype))
-    vectors = ("actions", "rewards", "dones", "discounts") + (
-        ("weights",) if batch.weights is not None else ())
-    return arrays + [(name, _vector(name, getattr(batch, name), rows), None) for name in vectors]
+    return _row_arrays(batch, "weights", feature_dtype)
+
+
+def _transition_arrays(rows: Transitions,
+                       feature_dtype: str) -> list[tuple[str, np.ndarray, str | None]]:
+    """The checked arrays of ``rows`` in field order, each with its wire dtype."""
+    if not isinstance(rows, Transitions):
+        raise _bad("transitions", f"must be duelq.client.Transitions, got "
+                                  f"{type(rows).__name__}")
+    return _row_arrays(rows, "priorities", feature_dtype)
 
 
 def encode_batch(batch: Batch, *, feature_dtype: str = "float32") -> pb.TrainRequest:
@@ -206,8 +254,9 @@ def encode_batch(batch: Batch, *, feature_dtype: str = "float32") -> pb.TrainReq
 
 
 def _wire_request(arrays: list[tuple[str, np.ndarray, str | None]], actor_id: str,
-                  seq: int) -> bytes:
-    """The serialised TrainRequest of checked ``arrays`` with key (actor_id, seq).
+                  seq: int, numbers: dict[str, int] = TRAIN_FIELDS) -> bytes:
+    """The serialised TrainRequest (InsertStreamRequest with ``numbers`` = INSERT_FIELDS) of checked
+    ``arrays`` with key (actor_id, seq).
 
     Built in protobuf's wire format directly: each array's buffer is copied once,
     into the joined bytes, where ``encode_batch(...).SerializeToString()`` copies
@@ -216,7 +265,7 @@ def _wire_request(arrays: list[tuple[str, np.ndarray, str | None]], actor_id: st
     """
     parts: list = []
     for name, array, wire in arrays:
-        parts += tensor_wire(TRAIN_FIELDS[name], array, name, wire=wire)
+        parts += tensor_wire(numbers[name], array, name, wire=wire)
     actor = actor_id.encode()
     key = (b"\x0a" + varint(len(actor)) + actor if actor else b"") + (
         b"\x10" + varint(seq) if seq else b"")
@@ -312,6 +361,9 @@ class LearnerClient:
         self._train_stream = self._channel.stream_stream(
             f"/{service}/TrainStream", request_serializer=None,
             response_deserializer=pb.TrainResponse.FromString)
+        self._insert_stream = self._channel.stream_stream(
+            f"/{service}/InsertStream", request_serializer=None,
+            response_deserializer=pb.InsertStreamResponse.FromString)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -384,48 +436,76 @@ class LearnerClient:
         A batch failing the local checks, or a server error, is raised where
         that batch's result would have been yielded; later batches are not sent.
         """
+        for response in self._keyed_stream(
+                self._train_stream, batches, window, "TrainStream",
+                lambda batch: _batch_arrays(batch, self.feature_dtype), TRAIN_FIELDS):
+            yield _train_result(response)
+
+    def insert_stream(self, transitions: Iterable[Transitions], *,
+                      window: int = 8) -> Iterator[InsertResult]:
+        """Insert transitions into the server's replay buffer: yield each insert's
+        acknowledgement in order, at most ``window`` unanswered.  As :meth:`train_stream`:
+        lazy, resent with the same keys after UNAVAILABLE (each insert is stored once),
+        a local or server error raised in its insert's place.  Features go in
+        ``feature_dtype`` (a 16-bit buffer takes its own dtype only)."""
+        for response in self._keyed_stream(
+                self._insert_stream, transitions, window, "InsertStream",
+                lambda rows: _transition_arrays(rows, self.feature_dtype), INSERT_FIELDS):
+            yield InsertResult(response.rows, response.size, response.inserted,
+                               response.version, response.step, response.key.seq,
+                               response.replayed)
+
+    def insert(self, transitions: Transitions) -> InsertResult:
+        """Insert one set of transitions (a one-request InsertStream)."""
+        return next(iter(self.insert_stream([transitions], window=1)))
+
+    def _keyed_stream(self, method: Callable, items: Iterable, window: int, name: str,
+                      check: Callable, numbers: dict[str, int]) -> Iterator:
+        """The responses of a keyed request stream ``method`` fed with ``items`` (each checked
+        into arrays by ``check``, then numbered), in order, at most ``window`` unanswered;
+        after UNAVAILABLE a new stream resends the unanswered requests with their keys."""
         if window < 1:
             raise _bad("window", f"must be ≥ 1, got {window}")
-        source = iter(batches)
+        source = iter(items)
         pending: deque[tuple[int, bytes]] = deque()  # (seq, request) sent, not answered
         local_error: errors.DuelqError | None = None
         failures = 0
         while True:
             feed: queue.SimpleQueue = queue.SimpleQueue()
-            call = self._train_stream(iter(feed.get, None), metadata=self._metadata)
+            call = method(iter(feed.get, None), metadata=self._metadata)
             try:
                 for _, request in pending:
                     feed.put(request)
                 while True:
                     while local_error is None and len(pending) < window:
-                        batch = next(source, None)
-                        if batch is None:
+                        item = next(source, None)
+                        if item is None:
                             break
                         try:
-                            arrays = _batch_arrays(batch, self.feature_dtype)
+                            arrays = check(item)
                         except errors.InvalidArgument as exc:
                             local_error = exc
                             break
                         seq = self._key().seq
-                        request = _wire_request(arrays, self.actor_id, seq)
+                        request = _wire_request(arrays, self.actor_id, seq, numbers)
                         pending.append((seq, request))
                         feed.put(request)
                     if not pending:
                         feed.put(None)  # half-close; the server ends the stream
                         for _ in call:
-                            raise errors.ServerError("TrainStream: a response without a request")
+                            raise errors.ServerError(f"{name}: a response without a request")
                         if local_error is not None:
                             raise local_error
                         return
                     response = next(call, None)
                     if response is None:
-                        raise errors.ServerError("TrainStream ended with requests unanswered")
+                        raise errors.ServerError(f"{name} ended with requests unanswered")
                     seq, _ = pending.popleft()
                     if response.key.seq != seq:
-                        raise errors.ServerError(f"TrainStream answered seq {response.key.seq} "
+                        raise errors.ServerError(f"{name} answered seq {response.key.seq} "
                                                  f"for seq {seq}")
                     failures = 0
-                    yield _train_result(response)
+                    yield response
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNAVAILABLE or failures == self.retries:
                     raise self._error(error, failures + 1) from None
@@ -434,6 +514,20 @@ class LearnerClient:
                 call.cancel()
             self._sleep(failures)
             failures += 1
+
+    def train_replay(self, steps: int = 1) -> ReplayTrainResult:
+        """Run ``steps`` learner steps drawn from the server's replay buffer (applied once
+        per key, retried on UNAVAILABLE)."""
+        response = self._call(self._stub.TrainReplay,
+                              pb.TrainReplayRequest(steps=steps, key=self._key()))
+        return ReplayTrainResult(response.steps, response.refused, response.loss,
+                                 response.q_taken_mean, response.grad_norm, response.step,
+                                 response.version, response.replayed)
+
+    def replay_info(self) -> ReplayInfo:
+        """The server's replay buffer figures."""
+        r = self._call(self._stub.GetReplayInfo, pb.GetReplayInfoRequest())
+        return ReplayInfo(**{f.name: getattr(r, f.name) for f in dataclasses.fields(ReplayInfo)})
 
     def compute_entropy(self, actions: np.ndarray, slot: str | int,
                         alpha: float) -> EntropyResult:

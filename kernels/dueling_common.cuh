@@ -263,6 +263,27 @@ __device__ __forceinline__ T tagged_sum(const tagged_t* src, size_t stride, int 
     return s;
 }
 
+// A grid barrier of a cooperative launch: every block arrives with `target`, then waits
+// until all G blocks have (per-block arrival flags; targets only grow, wrap-safe). The block's writes
+// are ordered before its release store by the CTA barrier; acquire loads order the other
+// blocks' writes before everything after the final CTA barrier.
+__device__ __forceinline__ void grid_barrier(unsigned int* arrivals, unsigned int target) {
+    __syncthreads();
+    if (threadIdx.x == 0)
+        asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(arrivals + blockIdx.x), "r"(target)
+                     : "memory");
+    if (threadIdx.x < 32) {
+        for (int i = threadIdx.x; i < (int)gridDim.x; i += 32) {
+            unsigned int seen;
+            do {
+                asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals + i)
+                             : "memory");
+            } while ((int)(seen - target) < 0);
+        }
+    }
+    __syncthreads();
+}
+
 // Mean of the advantages A[0..N) of one row of outputs [N_OUT].
 __device__ __forceinline__ float mean_advantage(const float* out) {
     float s = 0.f;

@@ -93,26 +93,6 @@ struct StepArgs {
     float ent_keep;            // 1 − α
 };
 
-// Every block arrives with `target`, then waits until all G blocks have. The block's writes
-// are ordered before its release store by the CTA barrier; acquire loads order the other
-// blocks' writes before everything after the final CTA barrier.
-__device__ __forceinline__ void grid_barrier(unsigned int* arrivals, unsigned int target) {
-    __syncthreads();
-    if (threadIdx.x == 0)
-        asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(arrivals + blockIdx.x), "r"(target)
-                     : "memory");
-    if (threadIdx.x < 32) {
-        for (int i = threadIdx.x; i < (int)gridDim.x; i += 32) {
-            unsigned int seen;
-            do {
-                asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(arrivals + i)
-                             : "memory");
-            } while ((int)(seen - target) < 0);
-        }
-    }
-    __syncthreads();
-}
-
 // A vector of floats stored / loaded as VW tagged words.
 __device__ __forceinline__ void put_vec(tagged_t* dst, const vec_t v, unsigned int epoch) {
 #if VW == 4

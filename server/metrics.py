@@ -4,7 +4,7 @@ Counting happens in one gRPC interceptor, so the servicer stays free of metrics
 code: it times every train request from arrival to answer, counts applied steps
 and transitions (a replayed idempotent answer is not a step), records the loss,
 and counts refused rpcs by method and status code.  Values that live elsewhere
-(ISV entropy EMAs, checkpoint age, device memory) are read when Prometheus
+(ISV entropy EMAs, checkpoint age, device memory, the replay buffer) are read when Prometheus
 scrapes, by a custom collector.  Each server has its own registry, so several
 servers in one process (tests) do not collide.
 """
@@ -107,6 +107,8 @@ class _ScrapeTimeCollector:
             yield step
             if learner.backend.name == "cuda":
                 yield from _device_memory()
+            if learner.replay is not None:
+                yield from _replay_figures(learner)
         directory = self._checkpoint_dir()
         if directory:
             newest = max((_mtime(p) for p in Path(directory).glob("ckpt-*")), default=None)
@@ -123,6 +125,20 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return float("-inf")
+
+
+def _replay_figures(learner: Learner):
+    """The server-side replay buffer's figures (its steps are in duelq_step, not in
+    duelq_steps_total, which counts train answers)."""
+    info = learner.replay_info()
+    rows = GaugeMetricFamily("duelq_replay_rows", "Rows of the server-side replay buffer",
+                             labels=["kind"])
+    for kind in ("size", "capacity", "inserted", "sampled"):
+        rows.add_metric([kind], getattr(info, kind))
+    yield rows
+    ratio = GaugeMetricFamily("duelq_replay_ratio", "Rows sampled per row inserted")
+    ratio.add_metric([], info.ratio)
+    yield ratio
 
 
 def _device_memory():

@@ -41,8 +41,10 @@ from duelq.server.core.errors import InvalidArgument
 from duelq.server.idempotency import ReplayGuard
 from duelq.server.core.learner import Learner, make_backend
 from duelq.server.metrics import Metrics
+from duelq.server.core.replay import ReplayState
 from duelq.server.reflection import enable_reflection
-from duelq.server.service import REPLAY_KINDS, LearnerService, Limits
+from duelq.server.replay_loop import ReplayLoop
+from duelq.server.service import REPLAY_BUFFER_EXTRA, REPLAY_KINDS, LearnerService, Limits
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import train_request_deserializer, undecodable
 
@@ -67,7 +69,7 @@ class ServerOptions:
     max_batch_size: int = 16384
     """Largest B of a train or act request, M of an entropy request."""
     max_streams: int = 32
-    """TrainStreams open at once."""
+    """TrainStreams and InsertStreams open at once."""
     max_rpcs: int = 64
     """Rpcs (streams included) running at once; also the worker thread count."""
     replay_cache: int = 1024
@@ -100,6 +102,10 @@ class ServerOptions:
     """Save a checkpoint every this many seconds if steps were applied; 0 = no time trigger."""
     checkpoint_keep: int = 3
     """Checkpoints kept in ``checkpoint_dir`` (the newest ones)."""
+    checkpoint_replay: bool = False
+    """Checkpoints also carry the server-side replay buffer (rows, priorities, counters),
+    written atomically with the learner state; a resumed server continues bit-identically.
+    A checkpoint that holds one is resumed with it either way."""
     front_processes: int = 0
     """gRPC front processes sharing the port (SO_REUSEPORT), with the learner in one more
     process: each front decodes, checks and packs train requests on a GIL of its own.  0
@@ -360,6 +366,8 @@ class LearnerServer:
         add_learner_servicer(self.service, self._server)
         self.health = add_health_and_reflection(self._server)
         self.port: int | None = None
+        self.replay_loop: ReplayLoop | None = None
+        """Trains from the replay buffer to hold replay_ratio (when it is set)."""
 
     def _set_health(self, status: int) -> None:
         set_health(self.health, status)
@@ -392,7 +400,7 @@ class LearnerServer:
         corrupt or made with another config, or the directory is unusable:
         never starts fresh over a checkpoint it cannot read.
         """
-        directory, state, replay = self.options.checkpoint_dir, None, None
+        directory, state, replay, found = self.options.checkpoint_dir, None, None, None
         if directory:
             try:
                 Path(directory).mkdir(parents=True, exist_ok=True)
@@ -418,6 +426,8 @@ class LearnerServer:
         state = state if state is not None else LearnerState.initial(config)
         learner = Learner(config, backend=make_backend(backend, config, state),
                           max_batch_size=self.options.max_batch_size)
+        if found is not None and REPLAY_BUFFER_EXTRA in found.extras:
+            _resume_buffer(learner, found.extras[REPLAY_BUFFER_EXTRA], found.path)
         self.attach(learner, replay=replay)
         return learner
 
@@ -425,6 +435,11 @@ class LearnerServer:
         """Serve ``learner`` (with ``replay``'s idempotency records) and report SERVING."""
         self.service.attach(learner, replay=replay)
         o = self.options
+        self.service.checkpoint_replay = o.checkpoint_replay
+        if learner.replay is not None and learner.config.replay_ratio > 0:
+            self.replay_loop = ReplayLoop(self.service)
+            self.service.on_insert = self.replay_loop.notify
+            self.replay_loop.start()
         if o.checkpoint_dir:
             self.service.checkpoints = CheckpointWriter(
                 o.checkpoint_dir, learner.config, self.service.snapshot, keep=o.checkpoint_keep,
@@ -447,6 +462,8 @@ class LearnerServer:
         grace = self.options.grace_s if grace_s is None else grace_s
         saved = None
         try:
+            if self.replay_loop is not None:
+                self.replay_loop.stop()
             if self.service._learner is not None:
                 self.service.drain()
                 if self.service.checkpoints is not None:
@@ -457,3 +474,19 @@ class LearnerServer:
                 self.metrics.close()
             log.info("stopped")
         return saved
+
+
+def _resume_buffer(learner: Learner, data: bytes, path: Path) -> None:
+    """Load a checkpoint's replay buffer into ``learner``; CheckpointError when it does not
+    fit the configuration."""
+    if learner.replay is None:
+        log.warning("%s holds a replay buffer, but replay_capacity is 0: it is not loaded",
+                    path)
+        return
+    try:
+        buffer = ReplayState.from_bytes(data, learner.config)
+    except ValueError as exc:
+        raise CheckpointError(path, f"replay buffer: {exc}") from exc
+    learner.load_replay(buffer)
+    log.info("replay buffer resumed from %s: %d rows, %d inserted, %d drawn", path,
+             buffer.size, buffer.inserted, buffer.sampled)

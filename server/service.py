@@ -21,6 +21,7 @@ new state changes (UNAVAILABLE) and waits for those admitted to finish.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -39,15 +40,16 @@ import numpy as np
 from duelq.server.core.batch import Batch, PackedBatch
 from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter
 from duelq.server.core.errors import (InvalidArgument, LearnerError, NonFiniteStep,
-                                      ResourceExhausted)
+                                      ReplayNotReady, ResourceExhausted)
 from duelq.server.core.learner import Learner, Prepared, StepResult
+from duelq.server.core.replay import ReplayRun
 from duelq.server.core.state import LearnerState
 from duelq.server.idempotency import AlreadyApplied, ReplayGuard
 from duelq.server.framing import train_request_deserializer, undecodable
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.wire.tensors import TensorError, decode, encode, float16_to_float32, tensor_head, varint
-from duelq.wire.types import FIELD_DTYPES, PARAM_NAMES
+from duelq.wire.types import FIELD_DTYPES, PARAM_NAMES, Transitions
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,15 @@ SERVER_VERSION = _version()
 
 #: The recorded response types, by name, for idempotency records in checkpoints.
 REPLAY_KINDS = {"TrainResponse": pb.TrainResponse,
-                "ComputeEntropyResponse": pb.ComputeEntropyResponse}
+                "ComputeEntropyResponse": pb.ComputeEntropyResponse,
+                "InsertStreamResponse": pb.InsertStreamResponse,
+                "TrainReplayResponse": pb.TrainReplayResponse}
+#: The replay buffer's rpcs (served by the one-process server only).
+REPLAY_BUFFER_RPCS = ("InsertStream", "TrainReplay", "GetReplayInfo")
+#: Most steps of one TrainReplay request.
+MAX_REPLAY_STEPS = 4096
+#: The checkpoint extra that holds the replay buffer (``--checkpoint-replay``).
+REPLAY_BUFFER_EXTRA = "replay_buffer"
 
 
 class NotServing(LearnerError):
@@ -80,7 +90,7 @@ class Expired(LearnerError):
 _STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
     ((InvalidArgument, TensorError), grpc.StatusCode.INVALID_ARGUMENT),
     ((ResourceExhausted,), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ((NonFiniteStep, CheckpointsOff), grpc.StatusCode.FAILED_PRECONDITION),
+    ((NonFiniteStep, CheckpointsOff, ReplayNotReady), grpc.StatusCode.FAILED_PRECONDITION),
     ((AlreadyApplied,), grpc.StatusCode.ALREADY_EXISTS),
     ((NotServing,), grpc.StatusCode.UNAVAILABLE),
     ((Expired,), grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -147,6 +157,25 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch
                  _required(request, "actions"), _required(request, "rewards"),
                  _required(request, "dones"), _required(request, "discounts"),
                  _required(request, "weights") if request.HasField("weights") else None)
+
+
+def decode_transitions(request: pb.InsertStreamRequest) -> Transitions:
+    """The numpy Transitions of an InsertStreamRequest, features as they came (size checks only;
+    the learner checks values and widens what its buffer stores wider)."""
+    return Transitions(_features(request, "h_t", True), _features(request, "h_tp1", True),
+                       _required(request, "actions"), _required(request, "rewards"),
+                       _required(request, "dones"), _required(request, "discounts"),
+                       _required(request, "priorities")
+                       if request.HasField("priorities") else None)
+
+
+def replay_response(run: ReplayRun, step: int, key: pb.RequestKey) -> pb.TrainReplayResponse:
+    """The TrainReplayResponse of ``run`` (means over its applied steps, in step order)."""
+    means = [float(np.mean(v)) if run.steps else 0.0
+             for v in (run.losses, run.q_taken_means, run.grad_norms)]
+    return pb.TrainReplayResponse(steps=run.steps, refused=run.refused, loss=means[0],
+                                  q_taken_mean=means[1], grad_norm=means[2], step=step,
+                                  version=step, key=key)
 
 
 #: The small rpcs a front process relays whole (its others it forwards over gRPC:
@@ -299,6 +328,10 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._waiting = 0                    # requests admitted, waiting for _apply_lock
         self._draining = False
         self._streams = threading.BoundedSemaphore(limits.max_streams)
+        self.checkpoint_replay = False
+        """Checkpoints carry the replay buffer (``--checkpoint-replay``)."""
+        self.on_insert: Callable[[], None] | None = None
+        """Told after each new insert (the replay loop's wake-up), outside the apply lock."""
 
     def attach(self, learner: Learner, *, replay: ReplayGuard | None = None) -> None:
         """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
@@ -307,11 +340,17 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._learner = learner
 
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
-        """A consistent (state, {"replay": idempotency records}) pair for a checkpoint."""
+        """A consistent (state, {"replay": idempotency records}) pair for a checkpoint; with
+        ``checkpoint_replay``, the replay buffer too (:data:`REPLAY_BUFFER_EXTRA`)."""
         learner = self.learner
         with self._holding_apply_lock():
             state, replay = learner.snapshot(), self._replay.copy()
-        return state, {"replay": replay.to_bytes()}
+            buffer = (learner.replay_snapshot()
+                      if self.checkpoint_replay and learner.replay is not None else None)
+        extras = {"replay": replay.to_bytes()}
+        if buffer is not None:
+            extras[REPLAY_BUFFER_EXTRA] = buffer.to_bytes()
+        return state, extras
 
     def drain(self) -> None:
         """Refuse new state changes (UNAVAILABLE); return once the admitted ones are done."""
@@ -459,6 +498,65 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     def close_stream(self) -> None:
         self._streams.release()
+
+    def train_due(self, limit: int) -> ReplayRun | None:
+        """The replay steps replay_ratio asks for now, at most ``limit``, under the apply lock
+        (the replay loop's turn); None when none are due.  NotServing once draining."""
+        learner = self.learner
+        with self._admit(None, change=pb.RequestKey()):   # the loop's steps have no key
+            due = min(learner.replay_due(), limit)
+            if due == 0:
+                return None
+            run = learner.train_replay(due)
+            if self.checkpoints is not None:
+                self.checkpoints.notify(learner.step_count)
+            return run
+
+    def _insert(self, request: pb.InsertStreamRequest,
+                context: grpc.ServicerContext | None) -> pb.InsertStreamResponse:
+        learner = self.learner
+        self._check_train_key(request.key)
+        rows = decode_transitions(request)
+
+        def apply() -> pb.InsertStreamResponse:
+            result = learner.insert(rows)
+            return pb.InsertStreamResponse(rows=result.rows, size=result.size,
+                                     inserted=result.inserted, version=result.step,
+                                     step=result.step, key=request.key)
+        response = self._keyed(request.key, pb.InsertStreamResponse, apply, context)
+        if self.on_insert is not None and not response.replayed:
+            self.on_insert()
+        return response
+
+    @_rpc
+    def InsertStream(self, request_iterator, context) -> Iterator[pb.InsertStreamResponse]:
+        self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
+        self.open_stream()
+        try:
+            for request in request_iterator:
+                yield self._insert(request, context)
+        finally:
+            self.close_stream()
+
+    @_rpc
+    def TrainReplay(self, request, context):
+        learner = self.learner
+        self._check_train_key(request.key)
+        if not 1 <= request.steps <= MAX_REPLAY_STEPS:
+            raise InvalidArgument("steps", f"must be in [1, {MAX_REPLAY_STEPS}], "
+                                           f"got {request.steps}")
+
+        def apply() -> pb.TrainReplayResponse:
+            run = learner.train_replay(request.steps)
+            step = learner.step_count
+            if self.checkpoints is not None:
+                self.checkpoints.notify(step)
+            return replay_response(run, step, request.key)
+        return self._keyed(request.key, pb.TrainReplayResponse, apply, context)
+
+    @_rpc
+    def GetReplayInfo(self, request, context):
+        return pb.GetReplayInfoResponse(**dataclasses.asdict(self.learner.replay_info()))
 
     @_rpc
     def TrainStep(self, request, context):

@@ -221,7 +221,8 @@ def test_tunable_fields_are_config_fields_and_exclude_layout():
     names = {f.name for f in dataclasses.fields(LearnerConfig)}
     assert TUNABLE_FIELDS <= names
     assert names - TUNABLE_FIELDS == {"hidden_dim", "n_actions", "isv_size", "isv_slots",
-                                      "optimizer"}
+                                      "optimizer", "replay_capacity", "replay_dtype",
+                                      "replay_alpha"}
 
 
 @pytest.mark.parametrize("name, bad, message", [

@@ -152,7 +152,7 @@ def test_the_contract_covers_every_request_tensor_field():
               if message.name.endswith("Request") for f in message.fields
               if f.message_type is not None and f.message_type.full_name == "duelq.v1.Tensor"}
     assert fields == set(FIELD_DTYPES)
-    assert set(WIRE_DTYPES_OF) | {"h"} == set(FIELD_DTYPES)
+    assert set(WIRE_DTYPES_OF) | {"h", "priorities"} == set(FIELD_DTYPES)  # priorities: insert only
 
 
 @pytest.mark.parametrize("field", TRAIN_FIELDS)

@@ -184,12 +184,15 @@ def test_copy_and_step_against_a_stand_in_driver(cache, tmp_path):
     (native.SOURCE.read_text(), "duelq_upload", native.UploadCall),
     (native.SOURCE.read_text(), "duelq_step", native.StepCall),
     (kernel_source("learner_step.cu"), "StepArgs", native.StepArgs),
-], ids=["duelq_upload", "duelq_step", "StepArgs"])
+    (kernel_source("replay.cu"), "CommitArgs", native.CommitArgs),
+    (kernel_source("replay.cu"), "InsertArgs", native.InsertArgs),
+], ids=["duelq_upload", "duelq_step", "StepArgs", "CommitArgs", "InsertArgs"])
 def test_ctypes_structs_lay_out_as_the_c_compiler_does(source, name, ctype, tmp_path):
     """Each struct that crosses into C is read from its C source; the C compiler, given the
     same text, puts every field at the offset ctypes does, and the sizes agree."""
     prelude = ("#include <stddef.h>\n#include <stdio.h>\ntypedef void *CUstream, *CUevent, "
-               "*CUfunction;\ntypedef unsigned long long CUdeviceptr, tagged_t;\n")
+               "*CUfunction;\ntypedef unsigned long long CUdeviceptr, tagged_t;\n"
+               "typedef unsigned short unit_t;\n")
     body = native.struct_text(source, name)
     fields = [f for f, _ in ctype._fields_]
     prints = "".join(f'printf("%zu\\n", offsetof(struct {name}, {f}));' for f in fields)

@@ -118,7 +118,8 @@ def test_the_typed_configuration_has_every_config_field_with_its_type():
         hidden_dim=128, n_actions=11, optimizer="adam", lr=1e-4, beta1=0.9, beta2=0.999,
         adam_eps=1e-8, huber_kappa=1.0, double_dqn=False, max_grad_norm=0.0, tau=0.005,
         target_update_period=1, priority_eps=1e-6, isv_size=1024, isv_slots={"a": 3},
-        step_entropy_slot="a", step_entropy_alpha=0.05, seed=2**40)
+        step_entropy_slot="a", step_entropy_alpha=0.05, seed=2**40, replay_dtype="float32",
+        replay_alpha=0.6, replay_beta=0.4, replay_batch_size=256, replay_min_size=256)
 
 
 def test_every_common_generator_has_what_it_needs():

@@ -24,6 +24,7 @@ FIELD_DTYPES: dict[str, tuple[str, ...]] = {
     "dones": ("float32", "bool", "uint8", "int32"),
     "discounts": ("float32",),
     "weights": ("float32",),
+    "priorities": ("float32",),
 }
 
 
@@ -104,3 +105,44 @@ class Batch:
         if type(a) is np.ndarray:   # the usual case, without NumPy's generic calls
             return a.shape[0] if a.ndim else 0
         return int(np.shape(a)[0]) if np.ndim(a) else 0
+
+
+@dataclass
+class Transitions:
+    """Rows for the server's replay buffer: one n-step transition each, stored as it came
+    (docs/design.md, the server-side replay).
+
+    ``priorities`` may be None: each row then gets the largest priority seen so far.
+
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
+    """
+
+    h_t: np.ndarray        # [n, H] features of s_t
+    h_tp1: np.ndarray      # [n, H] features of s_{t+n}
+    actions: np.ndarray    # [n] int32 in [0, N)
+    rewards: np.ndarray    # [n] float32, n-step discounted return
+    dones: np.ndarray      # [n] float32 0/1
+    discounts: np.ndarray  # [n] float32 γⁿ in [0, 1]
+    priorities: np.ndarray | None = None  # [n] float32 > 0, initial priorities
+
+    @property
+    def size(self) -> int:
+        return int(np.shape(self.actions)[0]) if np.ndim(self.actions) else 0
+
+
+@dataclass(frozen=True)
+class ReplayInfo:
+    """A replay buffer's figures (GetReplayInfoResponse in learner.proto)."""
+
+    capacity: int
+    size: int
+    inserted: int
+    sampled: int
+    draws: int
+    cursor: int
+    ratio: float          # sampled / inserted (0 before any insert)
+    target_ratio: float   # replay_ratio; 0: trains on request only
+    beta: float           # β of the next draw
+    batch_size: int
+    min_size: int
+    dtype: str

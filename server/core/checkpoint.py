@@ -21,8 +21,9 @@ Reading is strict: a corrupt file, another format version or a config that
 differs is refused with :class:`CheckpointError`, never replaced by fresh state or
 an older file.  Every config field must match unless the caller allows it to
 change; only fields in :data:`TUNABLE_FIELDS` may be allowed.  Fields outside that
-set (hidden_dim, n_actions, isv_size, isv_slots, optimizer) fix the tensors' shapes
-or meaning, so resuming across a change in them would be meaningless.
+set (hidden_dim, n_actions, isv_size, isv_slots, optimizer; replay_capacity,
+replay_dtype and replay_alpha, which fix a saved replay buffer's shapes and leaves) fix
+the tensors' shapes or meaning, so resuming across a change in them would be meaningless.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ FORMAT_VERSION = 2
 TUNABLE_FIELDS = frozenset({
     "lr", "beta1", "beta2", "adam_eps", "huber_kappa", "double_dqn", "max_grad_norm",
     "tau", "target_update_period", "priority_eps", "step_entropy_slot",
-    "step_entropy_alpha", "seed",
+    "step_entropy_alpha", "seed", "replay_beta", "replay_beta_steps", "replay_batch_size",
+    "replay_min_size", "replay_ratio", "replay_seed",
 })
 
 META_KEY = "duelq"

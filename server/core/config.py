@@ -59,6 +59,27 @@ class LearnerConfig:
     """EMA rate α for ``step_entropy_slot`` (dimensionless, in (0, 1])."""
     seed: int = 0
     """Seed of the initial weights (PyTorch nn.Linear's U(±1/√H) init, NumPy PCG64)."""
+    replay_capacity: int = 0
+    """C, transitions the server-side replay buffer holds (count, ≤ 2^30); 0 turns it off.
+    A full buffer overwrites its oldest row."""
+    replay_dtype: str = "float32"
+    """Dtype the replay buffer stores h_t and h_tp1 in: float32, float16 or bfloat16 (a
+    16-bit buffer takes inserts of its own dtype only: nothing is rounded)."""
+    replay_alpha: float = 0.6
+    """α: rows are drawn with probability priority^α / Σ priority^α (in [0, 1]; 0 = uniform)."""
+    replay_beta: float = 0.4
+    """β of the first draw: importance weights (min priority^α / priority^α)^β (in [0, 1])."""
+    replay_beta_steps: int = 0
+    """Draws over which β anneals linearly to 1 (draws, ≥ 0); 0 keeps β constant."""
+    replay_batch_size: int = 256
+    """B of a learner step drawn from the replay (rows, in [1, 65536])."""
+    replay_min_size: int = 256
+    """Rows the replay buffer must hold before it trains (rows, in [1, replay_capacity])."""
+    replay_ratio: float = 0.0
+    """Target replay ratio, rows sampled per row inserted (≥ 0): the server trains from
+    the buffer by itself while sampled + B ≤ ratio × inserted; 0 trains on request only."""
+    replay_seed: int = 0
+    """Key of the replay's counter-based random stream (Philox4x32-10; in [0, 2^64))."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, problem: str) -> None:
@@ -94,6 +115,23 @@ class LearnerConfig:
         need(integer("isv_size") >= 1, "isv_size", "must be ≥ 1")
         need(integer("seed") >= 0, "seed", "must be ≥ 0")
         need(0 < finite("step_entropy_alpha") <= 1, "step_entropy_alpha", "must be in (0, 1]")
+        need(0 <= integer("replay_capacity") <= 1 << 30, "replay_capacity",
+             "must be in [0, 2^30] (0 = off)")
+        need(self.replay_dtype in ("float32", "float16", "bfloat16"), "replay_dtype",
+             "must be 'float32', 'float16' or 'bfloat16'")
+        need(0 <= finite("replay_alpha") <= 1, "replay_alpha", "must be in [0, 1]")
+        need(0 <= finite("replay_beta") <= 1, "replay_beta", "must be in [0, 1]")
+        need(integer("replay_beta_steps") >= 0, "replay_beta_steps", "must be ≥ 0 (0 = constant)")
+        need(1 <= integer("replay_batch_size") <= 65536, "replay_batch_size",
+             "must be in [1, 65536]")
+        need(integer("replay_min_size") >= 1, "replay_min_size", "must be ≥ 1")
+        need(finite("replay_ratio") >= 0, "replay_ratio", "must be ≥ 0 (0 = train on request)")
+        need(0 <= integer("replay_seed") < 1 << 64, "replay_seed", "must be in [0, 2^64)")
+        if self.replay_capacity:
+            need(self.replay_min_size <= self.replay_capacity, "replay_min_size",
+                 f"must be ≤ replay_capacity={self.replay_capacity}")
+            need(self.priority_eps > 0, "priority_eps",
+                 "must be > 0 with the replay buffer on (a zero priority is never drawn again)")
         slots = dict(self.isv_slots)
         for name, index in slots.items():
             need(isinstance(name, str) and name != "", "isv_slots", "names must be non-empty strings")

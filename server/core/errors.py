@@ -26,3 +26,11 @@ class NonFiniteStep(LearnerError, ArithmeticError):
 
 class ResourceExhausted(LearnerError):
     """A limit (batch size, queue depth, concurrent streams…) was exceeded."""
+
+
+class ReplayNotReady(LearnerError):
+    """The replay buffer cannot serve the request now: it is off, or holds too few rows."""
+
+
+class ReplayTooLarge(LearnerError):
+    """The configured replay buffer does not fit the memory it would live in."""

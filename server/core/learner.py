@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Iterable
@@ -22,8 +23,12 @@ from duelq.server.core.backend import Backend, StepOutputs, Upload
 from duelq.server.core.batch import (FEATURE_DTYPES, Batch, PackedBatch, validate_actions, validate_batch,
                     validate_features)
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import InvalidArgument, NonFiniteStep, ResourceExhausted
+from duelq.server.core.errors import (InvalidArgument, NonFiniteStep, ReplayNotReady,
+                                      ReplayTooLarge, ResourceExhausted)
+from duelq.server.core.replay import (ReferenceReplay, ReplayBuffer, ReplayRun,
+                                      ReplayState, replay_bytes, validate_transitions)
 from duelq.server.core.state import LearnerState, Params
+from duelq.wire.types import ReplayInfo, Transitions
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,16 @@ def overflow(out: StepOutputs) -> str:
             f"norm {out.grad_norm:g})")
 
 
+@dataclass(frozen=True)
+class InsertResult:
+    """What an insert into the replay buffer reports."""
+
+    rows: int       # rows this insert stored
+    size: int       # rows in the buffer after it
+    inserted: int   # rows inserted over the buffer's life
+    step: int       # steps applied so far (== weights version)
+
+
 @dataclass
 class Prepared:
     """A validated batch, maybe already on its way to the device (:meth:`Learner.prepare`).
@@ -129,6 +144,24 @@ def make_backend(kind: str, config: LearnerConfig, state: LearnerState) -> Backe
     return ReferenceBackend(config, state)
 
 
+def make_replay(config: LearnerConfig, backend: Backend) -> ReplayBuffer:
+    """The replay buffer of ``config`` beside ``backend``: on the device for the cuda
+    backend, in host memory otherwise (stepped through the backend's propose and commit,
+    as for a wrapper of a cuda backend).  Raises ReplayTooLarge when it cannot be held."""
+    if backend.name == "cuda":
+        from duelq.server.core.cuda import CudaBackend
+        if isinstance(backend, CudaBackend):
+            from duelq.server.core.cuda_replay import CudaReplay
+            return CudaReplay(config, backend)
+    needed = replay_bytes(config)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise ReplayTooLarge(f"replay_capacity={config.replay_capacity} needs "
+                             f"{needed / 2**30:.2f} GiB of host memory; this host has "
+                             f"{memory / 2**30:.2f} GiB")
+    return ReferenceReplay(config, backend)
+
+
 class Learner:
     """One Dueling-DQN learner: state on a backend, steps applied one at a time."""
 
@@ -143,6 +176,9 @@ class Learner:
                         else make_backend(backend, config, state))
         self.lock = threading.Lock()
         """Serialises the backend's use: steps, reads, snapshots."""
+        self.replay: ReplayBuffer | None = (make_replay(config, self.backend)
+                                            if config.replay_capacity else None)
+        """The server-side replay buffer (replay_capacity > 0), else None."""
 
     @property
     def step_count(self) -> int:
@@ -239,3 +275,60 @@ class Learner:
         """Replace the whole state, e.g. from a checkpoint."""
         with self.lock:
             self.backend.load(state)
+
+    # ---- the server-side replay buffer ----------------------------------------------
+    def _replay(self) -> ReplayBuffer:
+        if self.replay is None:
+            raise ReplayNotReady("the server-side replay buffer is off (replay_capacity = 0)")
+        return self.replay
+
+    def insert(self, transitions: Transitions) -> InsertResult:
+        """Check every row of ``transitions``, then store them all in the replay buffer (a
+        refused insert stores nothing)."""
+        replay = self._replay()
+        rows = validate_transitions(transitions, self.config,
+                                    min(self.max_batch_size, self.config.replay_capacity))
+        with self.lock:
+            replay.insert(rows)
+            counters = replay.counters
+            return InsertResult(rows.size, counters["size"], counters["inserted"],
+                                self.backend.step)
+
+    def train_replay(self, steps: int) -> ReplayRun:
+        """Up to ``steps`` learner steps drawn from the replay buffer (fewer only when one
+        would be non-finite: it is refused, as a batch's would be, and the run stops)."""
+        replay = self._replay()
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidArgument("steps", f"must be an integer ≥ 1, got {steps!r}")
+        with self.lock:
+            replay.ready()
+            return replay.train(steps)
+
+    def replay_due(self) -> int:
+        """Learner steps that replay_ratio asks for now (0 with the buffer off)."""
+        if self.replay is None:
+            return 0
+        with self.lock:
+            return self.replay.due_steps()
+
+    def replay_info(self) -> ReplayInfo:
+        """The replay buffer's figures."""
+        replay = self._replay()
+        with self.lock:
+            return replay.info()
+
+    def replay_snapshot(self) -> ReplayState:
+        """Host copy of the whole replay buffer (for checkpoints and tests)."""
+        replay = self._replay()
+        with self.lock:
+            return replay.snapshot()
+
+    def load_replay(self, state: ReplayState) -> None:
+        """Replace the whole replay buffer, e.g. from a checkpoint (checked against the
+        config: InvalidArgument saying what does not fit)."""
+        replay = self._replay()
+        problem = state.problem(self.config)
+        if problem:
+            raise InvalidArgument("replay", problem)
+        with self.lock:
+            replay.load(state)

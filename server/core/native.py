@@ -7,8 +7,8 @@ it cannot be built or loaded, :func:`load` raises :class:`NativeUnavailable` say
 
 Every struct that crosses into C is written once, in C: :func:`c_struct` reads its fields
 from the source (native.c's call structs, learner_step.cu's ``StepArgs``) and makes the
-ctypes twin; tests/test_native.py compiles the same text with the C compiler and checks
-that every offset and size agrees.
+ctypes twin (the replay kernels' argument structs too); tests/test_native.py compiles the
+same text with the C compiler and checks that every offset and size agrees.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def c_struct(text: str, name: str) -> type[ctypes.Structure]:
 UploadCall = c_struct(SOURCE.read_text(), "duelq_upload")
 StepCall = c_struct(SOURCE.read_text(), "duelq_step")
 StepArgs = c_struct(kernel_source("learner_step.cu"), "StepArgs")
+CommitArgs = c_struct(kernel_source("replay.cu"), "CommitArgs")
+InsertArgs = c_struct(kernel_source("replay.cu"), "InsertArgs")
 
 
 class NativeUnavailable(RuntimeError):

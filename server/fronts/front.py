@@ -54,20 +54,23 @@ from duelq.v1 import learner_pb2 as pb
 
 from duelq.server.core.checkpoint import CheckpointError
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import ResourceExhausted
+from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 from duelq.server.core.native import stream_copy
 from duelq.server.logs import setup_logging
 from duelq.server.fronts.packing import Packer
 from duelq.server.fronts.relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
 from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
                      auth_interceptors, bind, grpc_server, local_target, set_health)
-from duelq.server.service import RELAYED_CALLS, TrainJob, refusal, too_many_streams
+from duelq.server.service import (REPLAY_BUFFER_RPCS, RELAYED_CALLS, TrainJob, refusal,
+                                  too_many_streams)
 
 log = logging.getLogger(__name__)
 
 TRAIN = ("TrainStep", "TrainStream")
+#: Forwarded to the learner process's private socket; the replay buffer's rpcs are not
+#: served here at all (UNIMPLEMENTED): the buffer runs with the one-process server only.
 FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name
-                  if name not in TRAIN)
+                  if name not in TRAIN + REPLAY_BUFFER_RPCS)
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
 FRONT_START_TIMEOUT_S = 60.0
@@ -214,6 +217,9 @@ class FrontServer:
         :class:`CheckpointError` or :class:`LearnerProcessError` when it cannot start.
         """
         o = self.options
+        if config.replay_capacity:
+            raise InvalidArgument("replay_capacity", "the server-side replay buffer runs with "
+                                  "the one-process server only (front_processes 0)")
         self._slots = slots = _slot_pool(o)
         mine, theirs = socket.socketpair()
         self._sock = mine

@@ -203,7 +203,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LearnerConfig(_message.Message):
-    __slots__ = ("hidden_dim", "n_actions", "optimizer", "lr", "beta1", "beta2", "adam_eps", "huber_kappa", "double_dqn", "max_grad_norm", "tau", "target_update_period", "priority_eps", "isv_size", "isv_slots", "step_entropy_slot", "step_entropy_alpha", "seed")
+    __slots__ = ("hidden_dim", "n_actions", "optimizer", "lr", "beta1", "beta2", "adam_eps", "huber_kappa", "double_dqn", "max_grad_norm", "tau", "target_update_period", "priority_eps", "isv_size", "isv_slots", "step_entropy_slot", "step_entropy_alpha", "seed", "replay_capacity", "replay_dtype", "replay_alpha", "replay_beta", "replay_beta_steps", "replay_batch_size", "replay_min_size", "replay_ratio", "replay_seed")
     class IsvSlotsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,15 @@ class LearnerConfig(_message.Message):
     STEP_ENTROPY_SLOT_FIELD_NUMBER: _ClassVar[int]
     STEP_ENTROPY_ALPHA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_BETA_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_BETA_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SEED_FIELD_NUMBER: _ClassVar[int]
     hidden_dim: int
     n_actions: int
     optimizer: str
@@ -247,7 +256,16 @@ class LearnerConfig(_message.Message):
     step_entropy_slot: str
     step_entropy_alpha: float
     seed: int
-    def __init__(self, hidden_dim: _Optional[int] = ..., n_actions: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., huber_kappa: _Optional[float] = ..., double_dqn: _Optional[bool] = ..., max_grad_norm: _Optional[float] = ..., tau: _Optional[float] = ..., target_update_period: _Optional[int] = ..., priority_eps: _Optional[float] = ..., isv_size: _Optional[int] = ..., isv_slots: _Optional[_Mapping[str, int]] = ..., step_entropy_slot: _Optional[str] = ..., step_entropy_alpha: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    replay_capacity: int
+    replay_dtype: str
+    replay_alpha: float
+    replay_beta: float
+    replay_beta_steps: int
+    replay_batch_size: int
+    replay_min_size: int
+    replay_ratio: float
+    replay_seed: int
+    def __init__(self, hidden_dim: _Optional[int] = ..., n_actions: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., adam_eps: _Optional[float] = ..., huber_kappa: _Optional[float] = ..., double_dqn: _Optional[bool] = ..., max_grad_norm: _Optional[float] = ..., tau: _Optional[float] = ..., target_update_period: _Optional[int] = ..., priority_eps: _Optional[float] = ..., isv_size: _Optional[int] = ..., isv_slots: _Optional[_Mapping[str, int]] = ..., step_entropy_slot: _Optional[str] = ..., step_entropy_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., replay_capacity: _Optional[int] = ..., replay_dtype: _Optional[str] = ..., replay_alpha: _Optional[float] = ..., replay_beta: _Optional[float] = ..., replay_beta_steps: _Optional[int] = ..., replay_batch_size: _Optional[int] = ..., replay_min_size: _Optional[int] = ..., replay_ratio: _Optional[float] = ..., replay_seed: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("backend", "device", "config_json", "step", "version", "max_message_bytes", "max_batch_size", "max_streams", "server_version", "max_queue", "config")
@@ -274,3 +292,103 @@ class GetInfoResponse(_message.Message):
     max_queue: int
     config: LearnerConfig
     def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., config_json: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_streams: _Optional[int] = ..., server_version: _Optional[str] = ..., max_queue: _Optional[int] = ..., config: _Optional[_Union[LearnerConfig, _Mapping]] = ...) -> None: ...
+
+class InsertStreamRequest(_message.Message):
+    __slots__ = ("h_t", "h_tp1", "actions", "rewards", "dones", "discounts", "priorities", "key")
+    H_T_FIELD_NUMBER: _ClassVar[int]
+    H_TP1_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    DONES_FIELD_NUMBER: _ClassVar[int]
+    DISCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    h_t: Tensor
+    h_tp1: Tensor
+    actions: Tensor
+    rewards: Tensor
+    dones: Tensor
+    discounts: Tensor
+    priorities: Tensor
+    key: RequestKey
+    def __init__(self, h_t: _Optional[_Union[Tensor, _Mapping]] = ..., h_tp1: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., dones: _Optional[_Union[Tensor, _Mapping]] = ..., discounts: _Optional[_Union[Tensor, _Mapping]] = ..., priorities: _Optional[_Union[Tensor, _Mapping]] = ..., key: _Optional[_Union[RequestKey, _Mapping]] = ...) -> None: ...
+
+class InsertStreamResponse(_message.Message):
+    __slots__ = ("rows", "size", "inserted", "version", "step", "key", "replayed")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    size: int
+    inserted: int
+    version: int
+    step: int
+    key: RequestKey
+    replayed: bool
+    def __init__(self, rows: _Optional[int] = ..., size: _Optional[int] = ..., inserted: _Optional[int] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., key: _Optional[_Union[RequestKey, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class TrainReplayRequest(_message.Message):
+    __slots__ = ("steps", "key")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    key: RequestKey
+    def __init__(self, steps: _Optional[int] = ..., key: _Optional[_Union[RequestKey, _Mapping]] = ...) -> None: ...
+
+class TrainReplayResponse(_message.Message):
+    __slots__ = ("steps", "refused", "loss", "q_taken_mean", "grad_norm", "step", "version", "key", "replayed")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    Q_TAKEN_MEAN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    refused: bool
+    loss: float
+    q_taken_mean: float
+    grad_norm: float
+    step: int
+    version: int
+    key: RequestKey
+    replayed: bool
+    def __init__(self, steps: _Optional[int] = ..., refused: _Optional[bool] = ..., loss: _Optional[float] = ..., q_taken_mean: _Optional[float] = ..., grad_norm: _Optional[float] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., key: _Optional[_Union[RequestKey, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class GetReplayInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetReplayInfoResponse(_message.Message):
+    __slots__ = ("capacity", "size", "inserted", "sampled", "ratio", "target_ratio", "draws", "beta", "batch_size", "min_size", "dtype", "cursor")
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DRAWS_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    size: int
+    inserted: int
+    sampled: int
+    ratio: float
+    target_ratio: float
+    draws: int
+    beta: float
+    batch_size: int
+    min_size: int
+    dtype: str
+    cursor: int
+    def __init__(self, capacity: _Optional[int] = ..., size: _Optional[int] = ..., inserted: _Optional[int] = ..., sampled: _Optional[int] = ..., ratio: _Optional[float] = ..., target_ratio: _Optional[float] = ..., draws: _Optional[int] = ..., beta: _Optional[float] = ..., batch_size: _Optional[int] = ..., min_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cursor: _Optional[int] = ...) -> None: ...

@@ -80,6 +80,21 @@ class LearnerStub:
                 request_serializer=duelq_dot_v1_dot_learner__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=duelq_dot_v1_dot_learner__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.InsertStream = channel.stream_stream(
+                '/duelq.v1.Learner/InsertStream',
+                request_serializer=duelq_dot_v1_dot_learner__pb2.InsertStreamRequest.SerializeToString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.InsertStreamResponse.FromString,
+                _registered_method=True)
+        self.TrainReplay = channel.unary_unary(
+                '/duelq.v1.Learner/TrainReplay',
+                request_serializer=duelq_dot_v1_dot_learner__pb2.TrainReplayRequest.SerializeToString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.TrainReplayResponse.FromString,
+                _registered_method=True)
+        self.GetReplayInfo = channel.unary_unary(
+                '/duelq.v1.Learner/GetReplayInfo',
+                request_serializer=duelq_dot_v1_dot_learner__pb2.GetReplayInfoRequest.SerializeToString,
+                response_deserializer=duelq_dot_v1_dot_learner__pb2.GetReplayInfoResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServicer:
@@ -165,6 +180,36 @@ class LearnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InsertStream(self, request_iterator, context):
+        """Transitions into the server-side replay buffer: exactly one response per
+        request, in request order; each request's rows are stored once per key,
+        all or none (a request that fails a check ends the stream with
+        INVALID_ARGUMENT and stores nothing). Counts against max_streams.
+        Errors: INVALID_ARGUMENT, RESOURCE_EXHAUSTED (more rows than
+        max_batch_size or replay_capacity), FAILED_PRECONDITION (buffer off),
+        ALREADY_EXISTS, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrainReplay(self, request, context):
+        """K learner steps drawn from the replay buffer, each written back before
+        the next draw, applied in the one global order of steps. Errors:
+        INVALID_ARGUMENT, FAILED_PRECONDITION (buffer off, or fewer rows than
+        replay_min_size), ALREADY_EXISTS, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReplayInfo(self, request, context):
+        """The replay buffer's figures. Read-only. FAILED_PRECONDITION when off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +252,21 @@ def add_LearnerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=duelq_dot_v1_dot_learner__pb2.GetInfoRequest.FromString,
                     response_serializer=duelq_dot_v1_dot_learner__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'InsertStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.InsertStream,
+                    request_deserializer=duelq_dot_v1_dot_learner__pb2.InsertStreamRequest.FromString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.InsertStreamResponse.SerializeToString,
+            ),
+            'TrainReplay': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainReplay,
+                    request_deserializer=duelq_dot_v1_dot_learner__pb2.TrainReplayRequest.FromString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.TrainReplayResponse.SerializeToString,
+            ),
+            'GetReplayInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReplayInfo,
+                    request_deserializer=duelq_dot_v1_dot_learner__pb2.GetReplayInfoRequest.FromString,
+                    response_serializer=duelq_dot_v1_dot_learner__pb2.GetReplayInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +491,87 @@ class Learner:
             '/duelq.v1.Learner/GetInfo',
             duelq_dot_v1_dot_learner__pb2.GetInfoRequest.SerializeToString,
             duelq_dot_v1_dot_learner__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InsertStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/duelq.v1.Learner/InsertStream',
+            duelq_dot_v1_dot_learner__pb2.InsertStreamRequest.SerializeToString,
+            duelq_dot_v1_dot_learner__pb2.InsertStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainReplay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duelq.v1.Learner/TrainReplay',
+            duelq_dot_v1_dot_learner__pb2.TrainReplayRequest.SerializeToString,
+            duelq_dot_v1_dot_learner__pb2.TrainReplayResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReplayInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duelq.v1.Learner/GetReplayInfo',
+            duelq_dot_v1_dot_learner__pb2.GetReplayInfoRequest.SerializeToString,
+            duelq_dot_v1_dot_learner__pb2.GetReplayInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

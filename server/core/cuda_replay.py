@@ -1,0 +1,245 @@
+"""The replay buffer on the device (kernels/replay.cu) beside a :class:`CudaBackend`.
+
+Everything is allocated at start: the rows (features in the buffer's dtype, 16-bit ones as
+their bits), priorities, leaves, the tree's sums and mins, the write-back's owner marks, the
+gathered batch and a run's report.  A buffer that does not fit the device's free memory is
+refused before any of it is allocated (:class:`ReplayTooLarge`).
+
+A run of K steps is enqueued on the backend's stream without waiting: per step the draw
+(``replay_sample``: rows, weights, the gather into learner_step's packed inputs), the
+backend's own ``learner_step`` launch on them, and ``replay_commit``, which applies the
+step on the device (the proposed state copied over the current one, priorities written
+back, the tree updated) or, for a non-finite step, marks the run halted, after which the
+run's remaining steps change nothing.  One copy back and one sync per run of at most
+:data:`RUN_STEPS` steps bring the steps committed, whether the run halted, and each step's
+loss, mean Q and gradient norm.  No other host round trip: a step's decision is the
+device's, made as the host's :meth:`CudaBackend.propose` would make it.
+
+The draws, weights, priorities and tree are those of :class:`ReferenceReplay` bit for bit
+(server/core/replay.py; tests/test_cuda_replay.py holds them together step by step).
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from duelq.server.core.batch import packed_layout
+from duelq.server.core.config import LearnerConfig
+from duelq.server.core.cuda import FEATURE_KINDS, THREADS, CudaBackend, _Staging, kernel_source
+from duelq.server.core.errors import ReplayTooLarge
+from duelq.server.core.native import CommitArgs, InsertArgs
+from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, ReplayState,
+                                      SumTree, beta_at, replay_bytes, tree_layout, tree_levels)
+from duelq.wire.types import Batch, Transitions
+
+RUN_STEPS = 64           # steps between two syncs (rows of the report)
+HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
+_WORD = 0xFFFFFFFF
+
+
+def device_bytes(config: LearnerConfig) -> int:
+    """Device memory the buffer of ``config`` takes: :func:`replay_bytes`, the owner marks,
+    the gathered batch and the report."""
+    B, H = config.replay_batch_size, config.hidden_dim
+    itemsize = STORAGE_DTYPES[config.replay_dtype].itemsize
+    gathered = 4 * packed_layout(B, H, itemsize, True)[1]
+    return replay_bytes(config) + 4 * config.replay_capacity + gathered + 8 + 24 * RUN_STEPS
+
+
+class CudaReplay(ReplayBuffer):
+    """The replay buffer resident on ``backend``'s device, stepped on its stream."""
+
+    def __init__(self, config: LearnerConfig, backend: CudaBackend):
+        super().__init__(config, backend)
+        C, H, B = config.replay_capacity, config.hidden_dim, config.replay_batch_size
+        needed = device_bytes(config)
+        free, total = cp.cuda.runtime.memGetInfo()
+        if needed + HEADROOM > free:
+            raise ReplayTooLarge(
+                f"replay_capacity={C} ({config.replay_dtype} rows of H={H}) needs "
+                f"{needed / 2**30:.2f} GiB of device memory and {HEADROOM >> 20} MiB to "
+                f"spare; {backend.device} has {free / 2**30:.2f} GiB free of "
+                f"{total / 2**30:.2f} GiB")
+        self._dtype = STORAGE_DTYPES[config.replay_dtype]
+        self._kind = FEATURE_KINDS[self._dtype]
+        self._levels = tree_levels(C)
+        self._grid = backend.max_blocks      # blocks of the cooperative kernels
+        self._barrier = 1                    # the next grid barrier's target
+        self._compile()
+        bits = np.uint16 if self._dtype.itemsize == 2 else np.float32
+        stream = backend.stream
+        with stream:
+            self._h_t = cp.zeros((C, H), bits)           # [C, H] features
+            self._h_tp1 = cp.zeros((C, H), bits)
+            self._actions = cp.zeros(C, np.int32)        # [C]
+            self._rewards = cp.zeros(C, np.float32)      # [C]
+            self._dones = cp.zeros(C, np.float32)        # [C]
+            self._discounts = cp.zeros(C, np.float32)    # [C]
+            self._priorities = cp.zeros(C, np.float32)   # [C]
+            self._leaves = cp.zeros(self._levels[0], np.float32)             # [32 n_1]
+            self._sums = cp.zeros(sum(self._levels[1:]), np.float64)          # levels 1..D
+            self._mins = cp.full(sum(self._levels[1:]), np.inf, np.float32)
+            self._owner = cp.full(C, -1, np.int32)       # [C]
+            self._max_priority = cp.ones(1, np.float32)
+            self._drawn = cp.zeros(B, np.int32)          # [B] rows of the last draw
+            self._gathered = cp.zeros(packed_layout(B, H, self._dtype.itemsize, True)[1],
+                                      np.float32)        # learner_step's packed inputs
+            self._arrivals = cp.zeros(self._grid, np.uint32)
+            self._report = cp.zeros(8 + 24 * RUN_STEPS, np.uint8)  # control [2] u32, stats
+        stream.synchronize()
+        self._staging = _Staging()           # an insert's packed rows
+        self._counters = dict(cursor=0, size=0, inserted=0, sampled=0, draws=0)
+
+    def _compile(self) -> None:
+        """Compile kernels/replay.cu for the config and write its tree layout."""
+        c = self.config
+        options = (f"-DHIDDEN_DIM={c.hidden_dim}", f"-DN_ACTIONS={c.n_actions}",
+                   f"-DFEATURES={self._kind}", f"-DCAPACITY={c.replay_capacity}",
+                   f"-DTREE_DEPTH={len(self._levels) - 1}", "--fmad=false")
+        module = cp.RawModule(code=kernel_source("replay.cu"), options=options)
+        self._sample = module.get_function("replay_sample")
+        self._commit = module.get_function("replay_commit")
+        self._insert = module.get_function("replay_insert")
+        layout = cp.ndarray(3, np.uint32, module.get_global("replay_layout")).get()
+        self._commit_barriers, self._insert_barriers, row_bytes = (int(x) for x in layout)
+        assert row_bytes == c.hidden_dim * self._dtype.itemsize, "kernel and host disagree"
+        for name, values in zip(("tree_offset", "tree_nodes"), tree_layout(c.replay_capacity)):
+            cp.ndarray(values.shape, np.int64, module.get_global(name)).set(values)
+        cp.cuda.Device().synchronize()
+
+    # ---- counters and state -----------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def snapshot(self) -> ReplayState:
+        C, stream = self.config.replay_capacity, self.backend.stream
+        with stream:
+            got = {name: getattr(self, "_" + name).get(stream=stream) for name in (
+                "h_t", "h_tp1", "actions", "rewards", "dones", "discounts", "priorities")}
+            leaves = self._leaves[:C].get(stream=stream)
+            max_priority = float(self._max_priority.get(stream=stream)[0])
+        for name in ("h_t", "h_tp1"):
+            got[name] = got[name].view(self._dtype)
+        return ReplayState(**got, leaves=leaves, **self._counters, max_priority=max_priority)
+
+    def load(self, state: ReplayState) -> None:
+        C, stream = self.config.replay_capacity, self.backend.stream
+        tree = SumTree(C)                      # sums and mins: additions and minima only,
+        tree.leaves[:C] = state.leaves         # the same bits as the device's
+        tree.rebuild()
+        bits = np.uint16 if self._dtype.itemsize == 2 else np.float32
+        with stream:
+            for name in ("h_t", "h_tp1"):
+                getattr(self, "_" + name).set(np.ascontiguousarray(getattr(state, name)).view(bits),
+                                              stream=stream)
+            for name in ("actions", "rewards", "dones", "discounts", "priorities"):
+                getattr(self, "_" + name).set(np.ascontiguousarray(getattr(state, name)),
+                                              stream=stream)
+            self._leaves.set(tree.leaves, stream=stream)
+            self._sums.set(np.concatenate(tree.sums), stream=stream)
+            self._mins.set(np.concatenate(tree.mins), stream=stream)
+            self._max_priority.set(np.array([state.max_priority], np.float32), stream=stream)
+            self._owner.fill(-1)
+        stream.synchronize()
+        self._counters = {name: getattr(state, name) for name in ReplayState.COUNTERS}
+
+    # ---- inserts ------------------------------------------------------------------------
+    def insert(self, t: Transitions) -> None:
+        b, c, n = self.backend, self._counters, t.size
+        words = self._staging.pack(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones,
+                                         t.discounts, t.priorities))
+        with b.stream:
+            self._staging.upload(words, b.stream)
+            args = InsertArgs(
+                staged=self._staging.device_ptr, rows_t=self._h_t.data.ptr,
+                rows_tp1=self._h_tp1.data.ptr, actions=self._actions.data.ptr,
+                rewards=self._rewards.data.ptr, dones=self._dones.data.ptr,
+                discounts=self._discounts.data.ptr, priorities=self._priorities.data.ptr,
+                leaves=self._leaves.data.ptr, sums=self._sums.data.ptr,
+                mins=self._mins.data.ptr, max_priority=self._max_priority.data.ptr,
+                arrivals=self._arrivals.data.ptr, alpha=self.config.replay_alpha,
+                barrier=self._barriers(self._insert_barriers), count=n, start=c["cursor"],
+                has_priorities=t.priorities is not None)
+            b._launch_cooperative(self._insert, self._grid, THREADS, 0, args)
+        b.stream.synchronize()   # the staging buffer is packed again by the next insert
+        C = self.config.replay_capacity
+        c["cursor"], c["size"], c["inserted"] = ((c["cursor"] + n) % C, min(c["size"] + n, C),
+                                                 c["inserted"] + n)
+
+    def _barriers(self, count: int) -> int:
+        """The first of ``count`` grid-barrier targets of the next launch."""
+        first = self._barrier
+        self._barrier = (self._barrier + count) & _WORD
+        return first
+
+    # ---- training -----------------------------------------------------------------------
+    def train(self, steps: int) -> ReplayRun:
+        b, B = self.backend, self.config.replay_batch_size
+        G = b.grid(B)[0]
+        b._outputs.reserve(2 * B + 1 + 5 * G)
+        stats, refused = [], False
+        while steps > 0 and not refused:
+            run = min(steps, RUN_STEPS)
+            committed, refused, figures = self._run(run, G)
+            stats.append(figures[:committed])
+            steps -= run
+        columns = np.concatenate(stats).reshape(-1, 3) if stats else np.zeros((0, 3))
+        return ReplayRun(columns.shape[0], refused, *columns.T.copy())
+
+    def _run(self, run: int, G: int) -> tuple[int, bool, np.ndarray]:
+        """Enqueue ``run`` steps, then wait for them: (steps committed, halted, [run, 3] loss,
+        mean Q, gradient norm).  The counters follow what the device did, even when an
+        enqueue fails."""
+        b, c, B = self.backend, self._counters, self.config.replay_batch_size
+        start, report = b._step, self._report
+        try:
+            with b.stream:
+                cp.cuda.runtime.memsetAsync(report.data.ptr, 0, 8, b.stream.ptr)
+                for j in range(run):
+                    self._launch_sample(c["draws"] + j)
+                    b._step = start + j          # _fill_args numbers the step t = _step + 1
+                    self._launch_step(B)
+                    self._launch_commit(j, G)
+        finally:
+            host = report.get(stream=b.stream)   # waits for the run
+            control = host[:8].view(np.uint32)
+            committed, halted = int(control[1]), bool(control[0])
+            b._step = start + committed
+            c["draws"] += committed + halted
+            c["sampled"] += committed * B
+        return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3)
+
+    def _launch_sample(self, draw: int) -> None:
+        """replay_sample of draw ``draw`` into the gathered batch."""
+        B, seed = self.config.replay_batch_size, self.config.replay_seed
+        self._sample((-(-B // (THREADS // 32)),), (THREADS,), (
+            self._leaves, self._sums, self._mins, self._h_t, self._h_tp1, self._actions,
+            self._rewards, self._dones, self._discounts, np.uint64(draw),
+            np.uint32(seed & _WORD), np.uint32(seed >> 32),
+            np.float64(beta_at(self.config, draw)), np.int32(B), self._drawn, self._gathered))
+
+    def _launch_step(self, B: int) -> None:
+        """The backend's learner_step on the gathered batch (weights present)."""
+        b = self.backend
+        G, R, tile = b._shape(B)
+        b._fill_args(B, R, True, self._gathered.data.ptr)
+        b._launch(b._steps[self._kind][tile], G)
+
+    def _launch_commit(self, slot: int, G: int) -> None:
+        """replay_commit of the step just launched on G blocks, at ``slot`` of the run."""
+        b, config = self.backend, self.config
+        now, proposed = b._slots[b._cur], b._slots[1 - b._cur]
+        args = CommitArgs(
+            out=b._outputs.device_ptr, next=proposed.params.data.ptr, state=now.params.data.ptr,
+            isv_next=proposed.isv.data.ptr, isv=now.isv.data.ptr,
+            observed_next=proposed.observed.data.ptr, observed=now.observed.data.ptr,
+            drawn=self._drawn.data.ptr, priorities=self._priorities.data.ptr,
+            leaves=self._leaves.data.ptr, sums=self._sums.data.ptr, mins=self._mins.data.ptr,
+            owner=self._owner.data.ptr, max_priority=self._max_priority.data.ptr,
+            control=self._report.data.ptr, stats=self._report.data.ptr + 8,
+            arrivals=self._arrivals.data.ptr, alpha=config.replay_alpha,
+            barrier=self._barriers(self._commit_barriers), batch=config.replay_batch_size,
+            step_blocks=G, isv_size=config.isv_size, slot=slot)
+        b._launch_cooperative(self._commit, self._grid, THREADS, 0, args)
