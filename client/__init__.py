@@ -8,7 +8,7 @@ from duelq.wire.types import Batch
 
 from duelq.client import errors
 from duelq.client.client import (ActResult, EntropyResult, ISVValue, LearnerClient, ServerInfo,
-                     TrainResult, Weights, encode_batch)
+                     TrainResult, Weights, encode_batch, tls_credentials)
 
 __all__ = ["ActResult", "Batch", "EntropyResult", "ISVValue", "LearnerClient", "ServerInfo",
-           "TrainResult", "Weights", "encode_batch", "errors"]
+           "TrainResult", "Weights", "encode_batch", "errors", "tls_credentials"]
