@@ -67,18 +67,19 @@ def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def field_docs(cls: type) -> dict[str, str]:
+def field_docs(cls: type, code: str = "") -> dict[str, str]:
     """The help of each field of a dataclass, by field name: its docstring, with the
-    fields it names (``tls_key``, checkpoint_every_*) named by their flags."""
+    fields it names (``tls_key``, checkpoint_every_*) named by their flags, and ``code``
+    (markdown's ` for the README's tables) around those and the docstring's literals."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     names = {f.name for f in dataclasses.fields(cls)}
 
     def flag(match: re.Match) -> str:
         name, star = match["name"], match["star"]
         if star and any(n.startswith(name + "_") for n in names):
-            return flag_name(name) + "-*"
+            return code + flag_name(name) + "-*" + code
         named = name in names and (match["quoted"] or "_" in name)
-        return flag_name(name) if named else match[0]
+        return code + flag_name(name) + code if named else match[0]
     docs = {}
     for node, after in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
@@ -87,7 +88,7 @@ def field_docs(cls: type) -> dict[str, str]:
             doc = " ".join(after.value.value.split())
             doc = re.sub(r"(?P<quoted>``)?\b(?P<name>[a-z][a-z0-9_]*?)"
                          r"(?:(?P<star>_\*)|(?![a-z0-9_]))(?(quoted)``)", flag, doc)
-            docs[node.target.id] = doc.replace("``", "")
+            docs[node.target.id] = doc.replace("``", code)
     return docs
 
 

@@ -1,4 +1,4 @@
-"""NumPy reference backend: the exact math of DESIGN §2–§3, top to bottom.
+"""NumPy reference backend: the exact math of docs/design.md §1–§2, top to bottom.
 
 It serves requests in float32 where no GPU is present and is the oracle the
 CUDA kernels are tested against (in float64, ``dtype=np.float64``).
@@ -47,7 +47,8 @@ def ema_update(isv: np.ndarray, observed: np.ndarray, slot: int, value: float,
 
 def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerConfig,
                    dtype=np.float32) -> tuple[float, np.ndarray, np.ndarray, Params]:
-    """DESIGN §2 steps 1–5: (loss, δ [B], Q_θ(h_t)[a] [B], ∂L/∂θ) for θ, θ⁻ in ``dtype``."""
+    """docs/design.md §1 steps 1–5: (loss, δ [B], Q_θ(h_t)[a] [B], ∂L/∂θ) for θ, θ⁻ in
+    ``dtype``."""
     cast = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
     h_t, h_tp1 = cast(batch.h_t), cast(batch.h_tp1)          # [B, H]
     actions = batch.actions                                   # [B] int32
@@ -85,7 +86,7 @@ def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerC
 
 def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
                dtype=np.float32) -> tuple[LearnerState, StepOutputs]:
-    """One learner step (DESIGN §2 steps 1–9); returns the new state and outputs.
+    """One learner step (docs/design.md §1 steps 1–9); returns the new state and outputs.
 
     Pure: ``state`` is not modified.  Every tensor is computed in ``dtype``.
     """
