@@ -1,6 +1,9 @@
-"""Shared test helpers: random batches and configs."""
+"""Shared test helpers: random batches and configs, and waiting for an event."""
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -26,3 +29,12 @@ def small_config(**overrides) -> LearnerConfig:
                   isv_slots={"action_entropy_ema": 5, "policy_entropy_ema": 2})
     values.update(overrides)
     return LearnerConfig(**values)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "") -> None:
+    """Poll ``predicate`` until it holds; fail only if it never does within ``timeout``
+    seconds (generous: a busy machine is slow, never wrong)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what or "the awaited event never came"
+        time.sleep(0.005)
