@@ -264,15 +264,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     def wanted(name: str) -> bool:
         return command is None or command == name
 
-    def server_flags(sub, title: str, defaults: dict[str, Any], backend_help: str) -> None:
+    def server_flags(sub, own: Callable[[argparse.ArgumentParser], None] | None, title: str,
+                     defaults: dict[str, Any], backend_help: str) -> None:
+        """--backend, the command's ``own`` flags, then ServerOptions' and LearnerConfig's."""
         from duelq.server.core.config import LearnerConfig
         from duelq.server.core.learner import BACKENDS
         from duelq.server.server import ServerOptions
         add_flag(sub, "backend", "str", "auto", backend_help, choices=BACKENDS)
-        if sub.prog.endswith(" demo"):
-            add_demo_flags(sub)
-        elif sub.prog.endswith(" bench"):
-            add_bench_flags(sub)
+        if own is not None:
+            own(sub)
         add_dataclass_flags(sub, ServerOptions, title, defaults.get("server"))
         add_dataclass_flags(sub, LearnerConfig, "learner", defaults.get("learner"))
 
@@ -280,14 +280,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run a learner server until SIGINT/SIGTERM",
                                 description="Run a learner server until SIGINT or SIGTERM.")
     if wanted("serve"):
-        server_flags(serve, "server and limits", {}, auto)
+        server_flags(serve, None, "server and limits", {}, auto)
     demo = commands.add_parser(
         "demo", help="train with concurrent actors on synthetic data and summarise",
         description="Start a server in-process (or use --target), stream synthetic batches "
                     "from several actors, print a summary and save the loss curve; Ctrl-C "
                     "stops early with a partial summary.")
     if wanted("demo"):
-        server_flags(demo, "in-process server and limits",
+        server_flags(demo, add_demo_flags, "in-process server and limits",
                      {"server": {"port": 0}, "learner": {"lr": 3e-3}}, auto)
     probe = commands.add_parser(
         "health", help="ask a server's grpc.health.v1 service whether it is SERVING",
@@ -303,7 +303,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     "starts that server (its --front-processes fronts and learner process) "
                     "and measures it as a --target. Exit 1 if a cell failed.")
     if wanted("bench"):
-        server_flags(bench, "in-process server and limits", {"server": {"port": 0}},
+        server_flags(bench, add_bench_flags, "in-process server and limits",
+                     {"server": {"port": 0}},
                      auto + "; every cell also runs on the null (no-op) backend")
     for sub in (serve, demo, probe, bench):
         add_global_flags(sub, repeated=True)
