@@ -162,7 +162,7 @@ def from_args(cls: type, args: argparse.Namespace):
         raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
 
 
-DEMO_COUNTS = ("actors", "steps", "batch_size", "window", "sync_every", "env_steps")
+DEMO_COUNTS = ("actors", "steps", "batch_size", "window", "sync_every")
 
 
 def add_global_flags(parser: argparse.ArgumentParser, *, repeated: bool = False) -> None:
@@ -183,7 +183,7 @@ def add_global_flags(parser: argparse.ArgumentParser, *, repeated: bool = False)
 
 
 def add_demo_flags(parser: argparse.ArgumentParser) -> None:
-    from duelq.apps.gym_actor import OPTIMAL_RETURN
+    from duelq.apps.gym_actor import TASKS
     group = parser.add_argument_group("demo (--token, if set, is also sent to --target)")
     add_flag(group, "target", "str", "", "host:port of a running server; empty starts one "
              "in-process")
@@ -197,9 +197,11 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(group, "ready_timeout", "float", 30.0, "seconds to wait for the server's health "
              "to say SERVING")
     add_flag(group, "env", "str", "", "a gymnasium task with a known optimum instead of the "
-             "synthetic one; sizes the head for it and applies optimizer=sgd, lr=0.5, tau=0.05 "
-             "to the learner flags left at their defaults", choices=("",) + tuple(OPTIMAL_RETURN))
-    add_flag(group, "env_steps", "int", 3000, "environment steps per actor with --env")
+             "synthetic one; sizes the head for it and applies the task's learner settings "
+             "(such as --optimizer sgd) to the learner flags left at their defaults",
+             choices=("",) + tuple(TASKS))
+    add_flag(group, "env_steps", "int", 0, "environment steps per actor with --env; 0: as "
+             "many as the task needs")
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -438,12 +440,16 @@ def serve(args: argparse.Namespace) -> int:
 
 def demo(args: argparse.Namespace) -> int:
     from duelq.apps.demo import run_demo
+    from duelq.apps.gym_actor import ActorConfig
     from duelq.apps.gym_demo import env_config, run_env_demo
     from duelq.server.core.config import LearnerConfig
     from duelq.server.server import ServerOptions
     for name in DEMO_COUNTS:
         if getattr(args, name) < 1:
             raise UsageError(f"{flag_name(name)}: must be ≥ 1")
+    if args.env_steps and args.env_steps <= ActorConfig.warmup:
+        raise UsageError(f"--env-steps: must be 0 (the task's own) or more than the "
+                         f"{ActorConfig.warmup} warm-up steps")
     config = from_args(LearnerConfig, args)
     if args.env:
         defaults = from_args(LearnerConfig, build_parser("demo").parse_args(["demo"]))

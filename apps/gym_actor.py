@@ -1,8 +1,8 @@
 """Actors that learn a gymnasium task whose optimum is known, through a duelq learner.
 
-The task is tabular (deterministic FrozenLake) with one-hot features, so the linear
-dueling head can represent Q* exactly, and :func:`check_policy` compares the learned Q
-with Q* from value iteration on the task's own transition table.  An actor acts
+The tasks are tabular (deterministic FrozenLake and CliffWalking) with one-hot features,
+so the linear dueling head can represent Q* exactly, and :func:`check_policy` compares the
+learned Q with Q* from value iteration on the task's own transition table.  An actor acts
 ε-greedily with weights it pulls from the learner every ``sync_every`` steps (Acme's
 variable-client pattern), keeps an :class:`NStepReplay`, sends prioritised batches and
 writes the returned priorities back.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -26,9 +26,27 @@ from duelq.server.core.state import Params
 
 from duelq.client.replay import NStepReplay
 
-#: Known optimal undiscounted return of the greedy policy, per supported task.
-OPTIMAL_RETURN = {"FrozenLake-v1": 1.0}
 MAX_EPISODE_STEPS = 100
+
+
+@dataclass(frozen=True)
+class Task:
+    """A tabular gymnasium task with a known optimum, and the settings that learn it."""
+
+    optimal_return: float             # undiscounted return of an optimal greedy episode
+    learner: Mapping[str, Any]        # LearnerConfig settings that learn it
+    actor: Mapping[str, Any]          # ActorConfig settings that learn it
+
+
+#: The supported tasks (their deterministic variants).  CliffWalking's −100 of the cliff
+#: needs a squared loss (κ = 100) to be learned in a few thousand steps.
+TASKS = {
+    "FrozenLake-v1": Task(1.0, {"optimizer": "sgd", "lr": 0.5, "tau": 0.05},
+                          {"env_steps": 3000, "eps_decay_steps": 2500}),
+    "CliffWalking-v1": Task(-13.0, {"optimizer": "sgd", "lr": 1.0, "tau": 0.05,
+                                    "huber_kappa": 100.0},
+                            {"env_steps": 12000, "eps_decay_steps": 6000}),
+}
 
 TrainFn = Callable[[Batch], np.ndarray]
 PullFn = Callable[[], Params]
@@ -36,8 +54,8 @@ PullFn = Callable[[], Params]
 
 def make_env(env_id: str):
     """The gymnasium env ``env_id`` (deterministic variant), with a time limit."""
-    if env_id not in OPTIMAL_RETURN:
-        raise ValueError(f"unsupported env {env_id!r}; choose from {sorted(OPTIMAL_RETURN)}")
+    if env_id not in TASKS:
+        raise ValueError(f"unsupported env {env_id!r}; choose from {sorted(TASKS)}")
     import gymnasium as gym  # optional dependency: pip install 'duelq[demo]'
     return gym.make(env_id, is_slippery=False, max_episode_steps=MAX_EPISODE_STEPS)
 
@@ -56,7 +74,7 @@ def one_hot(obs: int, n: int) -> np.ndarray:
 
 @dataclass
 class ActorConfig:
-    """Knobs of one actor; the defaults learn Q* of deterministic FrozenLake in 3000 steps.
+    """Knobs of one actor (:meth:`of` gives a task's own).
 
     One-step returns: an n-step return without an off-policy correction learns the values
     of the ε-greedy policy that collected it, not Q*.  ε stays at 0.2 so that every
@@ -76,6 +94,11 @@ class ActorConfig:
     eps_end: float = 0.2
     eps_decay_steps: int = 2500
     seed: int = 0
+
+    @staticmethod
+    def of(env_id: str, **settings) -> "ActorConfig":
+        """The settings that learn ``env_id``, with ``settings`` over them."""
+        return ActorConfig(env_id=env_id, **{**TASKS[env_id].actor, **settings})
 
 
 @dataclass

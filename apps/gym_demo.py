@@ -23,14 +23,10 @@ import numpy as np
 from duelq.client import LearnerClient
 from duelq.client.client import ServerInfo
 from duelq.apps.demo import INTERRUPTED, progress, run_actors
-from duelq.apps.gym_actor import (OPTIMAL_RETURN, ActorConfig, PolicyCheck, check_policy,
-                                  env_dims, greedy_return, run_actor)
+from duelq.apps.gym_actor import (TASKS, ActorConfig, PolicyCheck, check_policy, env_dims,
+                                  greedy_return, run_actor)
 
 from duelq.server.core.config import LearnerConfig
-
-#: Learner settings that learn the tabular task in a few thousand steps; applied
-#: to every knob the command line left at its default.
-PRESET = {"optimizer": "sgd", "lr": 0.5, "tau": 0.05}
 
 
 @dataclass
@@ -47,6 +43,7 @@ class EnvResult:
     optimum: float
     check: PolicyCheck
     steps: int
+    env_steps: int    # per actor
     episodes: int
     seconds: float
     interrupted: bool
@@ -57,19 +54,22 @@ class EnvResult:
 
 
 def env_config(env_id: str, config: LearnerConfig, defaults: LearnerConfig) -> LearnerConfig:
-    """``config`` sized for ``env_id``, with :data:`PRESET` where it kept ``defaults``."""
+    """``config`` sized for ``env_id``, with the task's learner settings where it kept
+    ``defaults``."""
     H, N = env_dims(env_id)
-    preset = {k: v for k, v in PRESET.items() if getattr(config, k) == getattr(defaults, k)}
+    preset = {k: v for k, v in TASKS[env_id].learner.items()
+              if getattr(config, k) == getattr(defaults, k)}
     return dataclasses.replace(config, hidden_dim=H, n_actions=N, **preset)
 
 
-def train_on_env(target: str, env_id: str, *, actors: int, env_steps: int, seed: int = 0,
-                 token: str | None = None) -> tuple[EnvResult, EnvTrace]:
-    """Run ``actors`` threads of ``env_steps`` environment steps against ``target``."""
+def train_on_env(target: str, env_id: str, *, actors: int, env_steps: int = 0,
+                 seed: int = 0, token: str | None = None) -> tuple[EnvResult, EnvTrace]:
+    """Run ``actors`` threads of ``env_steps`` environment steps (0: the task's own)
+    against ``target``."""
     trace, done, stop = EnvTrace(), threading.Event(), threading.Event()
     failures: list[str] = []
-    config = ActorConfig(env_id=env_id, env_steps=env_steps)
-    bars = [progress(env_steps - config.warmup, i) for i in range(actors)]
+    config = ActorConfig.of(env_id, **({"env_steps": env_steps} if env_steps else {}))
+    bars = [progress(config.env_steps - config.warmup, i) for i in range(actors)]
     episodes: list[int] = []
 
     def actor(i: int) -> None:
@@ -109,9 +109,11 @@ def train_on_env(target: str, env_id: str, *, actors: int, env_steps: int, seed:
         raise RuntimeError("; ".join(failures))
     with LearnerClient(target, token=token) as client:
         final = client.get_weights()
-    result = EnvResult(env_id, greedy_return(env_id, final.params), OPTIMAL_RETURN[env_id],
+    result = EnvResult(env_id, greedy_return(env_id, final.params),
+                       TASKS[env_id].optimal_return,
                        check_policy(env_id, final.params, config.gamma), final.step,
-                       sum(episodes), time.perf_counter() - start, interrupted)
+                       config.env_steps, sum(episodes), time.perf_counter() - start,
+                       interrupted)
     trace.greedy.append((final.step, result.greedy_return))
     return result, trace
 
@@ -161,7 +163,7 @@ def run_env_demo(args: argparse.Namespace, where: str, info: ServerInfo) -> int:
     print("\n".join([
         f"duelq demo: {result.env_id} on backend {info.backend} ({info.device}, {where})"
         + (" (interrupted)" if result.interrupted else ""),
-        f"  {args.actors} actors × {args.env_steps} env steps: {result.episodes} episodes, "
+        f"  {args.actors} actors × {result.env_steps} env steps: {result.episodes} episodes, "
         f"{result.steps} learner steps in {result.seconds:.1f} s",
         f"  greedy action optimal in {check.optimal}/{check.states} reachable states "
         f"(Q* by value iteration, γ = {check.gamma:g}); max |Q − Q*| = {check.q_error:.3f}",

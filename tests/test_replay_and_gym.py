@@ -114,12 +114,12 @@ def test_greedy_action_is_optimal_in_every_reachable_frozen_lake_state():
     """One actor (deterministic: the same seed, the same steps) against an in-process
     learner with the demo's settings."""
     pytest.importorskip("gymnasium")
-    from duelq.apps.gym_actor import (OPTIMAL_RETURN, ActorConfig, check_policy, env_dims,
+    from duelq.apps.gym_actor import (TASKS, ActorConfig, check_policy, env_dims,
                                       greedy_return, run_actor)
     from duelq.apps.gym_demo import env_config
     env_id = "FrozenLake-v1"
     learner = Learner(env_config(env_id, LearnerConfig(), LearnerConfig()), backend="reference")
-    cfg = ActorConfig(env_id=env_id)
+    cfg = ActorConfig.of(env_id)
     before = check_policy(env_id, learner.weights()[0], cfg.gamma)
     report = run_actor(cfg, train=lambda b: learner.step(b).priorities,
                        pull=lambda: learner.weights()[0])
@@ -135,7 +135,26 @@ def test_greedy_action_is_optimal_in_every_reachable_frozen_lake_state():
     states = [0, 1, 2, 3, 4, 6, 8, 9, 10, 13, 14]
     assert after.q_error == pytest.approx(np.abs(learned - lake_q_star(cfg.gamma))[states].max())
     assert after.q_error < 0.1
-    assert greedy_return(env_id, q) == OPTIMAL_RETURN[env_id]
+    assert greedy_return(env_id, q) == TASKS[env_id].optimal_return
+
+
+def test_greedy_action_is_optimal_in_every_reachable_cliff_walking_state():
+    """The second task: 37 reachable states, rewards of −1 a move and −100 off the cliff
+    (back to the start), an optimal return of −13."""
+    pytest.importorskip("gymnasium")
+    from duelq.apps.gym_actor import TASKS, ActorConfig, check_policy, greedy_return, run_actor
+    from duelq.apps.gym_demo import env_config
+    env_id = "CliffWalking-v1"
+    learner = Learner(env_config(env_id, LearnerConfig(), LearnerConfig()), backend="reference")
+    cfg = ActorConfig.of(env_id)
+    run_actor(cfg, train=lambda b: learner.step(b).priorities,
+              pull=lambda: learner.weights()[0])
+    check = check_policy(env_id, learner.weights()[0], cfg.gamma)
+    print(f"greedy optimal in {check.optimal}/{check.states} states, "
+          f"max |Q - Q*| = {check.q_error:.4f}")
+    assert (check.optimal, check.states) == (37, 37)
+    assert check.q_error < 1.0   # Q* spans −1 … −106
+    assert greedy_return(env_id, learner.weights()[0]) == TASKS[env_id].optimal_return
 
 
 def test_env_demo_learns_q_star_through_the_server(tmp_path, capsys):
