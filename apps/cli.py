@@ -45,12 +45,15 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CHECKPOINT = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130   # Ctrl-C, as a shell's
 ENV_PREFIX = "DUELQ_"
 COMMANDS = ("serve", "demo", "health", "bench")
-#: The modules each extra of the distribution brings, and the extras each command needs.
+#: The modules each extra of the distribution brings.
 EXTRA_MODULES = {"server": ("grpc_reflection", "safetensors", "prometheus_client",
                             "pythonjsonlogger"),
                  "demo": ("tqdm", "matplotlib", "gymnasium")}
-COMMAND_EXTRAS = {"serve": ("server",), "demo": ("server", "demo"), "bench": ("server", "demo"),
-                  "health": ()}
+#: Of those, the ones each command imports (the demo's gymnasium only with --env).
+COMMAND_NEEDS = {"serve": {"server": EXTRA_MODULES["server"]},
+                 "demo": {"server": EXTRA_MODULES["server"], "demo": ("tqdm", "matplotlib")},
+                 "bench": {"server": EXTRA_MODULES["server"], "demo": ("tqdm", "matplotlib")},
+                 "health": {}}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 SECRETS = {"token"}  # never echoed in --help; prefer DUELQ_TOKEN or --token-file to --token
 
@@ -340,17 +343,19 @@ def install_command(extras: Sequence[str]) -> str:
 
 def missing_extras(command: str, argv: Sequence[str]) -> str | None:
     """One line naming the extras ``command`` needs and this installation lacks, or None."""
-    needed = list(COMMAND_EXTRAS.get(command, ()))
-    json_logs = ("json" in argv or "--log-format=json" in argv
-                 or os.environ.get(env_name("log_format")) == "json")
-    if json_logs and "server" not in needed:   # python-json-logger
-        needed.append("server")
-    lacking = [extra for extra in needed
-               if any(importlib.util.find_spec(m) is None for m in EXTRA_MODULES[extra])]
+    needs = {extra: list(modules) for extra, modules in COMMAND_NEEDS.get(command, {}).items()}
+    if command == "demo" and ("--env" in argv or any(a.startswith("--env=") for a in argv)
+                              or os.environ.get(env_name("env"))):
+        needs["demo"].append("gymnasium")
+    if ("json" in argv or "--log-format=json" in argv
+            or os.environ.get(env_name("log_format")) == "json"):
+        needs.setdefault("server", []).append("pythonjsonlogger")
+    lacking = [extra for extra, modules in needs.items()
+               if any(importlib.util.find_spec(m) is None for m in modules)]
     if not lacking:
         return None
-    what = f"duelq {command}" if command else "this"
-    return f"{what} needs the {' and '.join(lacking)} extra: {install_command(needed)}"
+    what = f"duelq {command}" if command else "duelq"
+    return f"{what} needs the {' and '.join(lacking)} extra: {install_command(list(needs))}"
 
 
 def health_check(args: argparse.Namespace) -> int:

@@ -85,6 +85,15 @@ def test_the_client_and_health_run_without_any_extra(server):
     assert all(re.search(r"-m pip install .*\[server(,demo)?\]", line) for line in lines)
 
 
+def test_the_demo_on_a_gymnasium_task_without_gymnasium_says_so_in_one_line(monkeypatch,
+                                                                             capsys):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)   # as if not installed
+    assert cli.main(["demo", "--env", "FrozenLake-v1"]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("duelq: duelq demo needs the demo extra: ")
+    assert "[server,demo]" in err
+
+
 @pytest.mark.slow
 def test_a_wheel_built_from_the_repository_holds_every_part(tmp_path):
     """What `pip install git+URL` builds: the committed and new files of the checkout (not
