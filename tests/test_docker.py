@@ -126,6 +126,7 @@ def test_healthcheck_passes_with_tls_and_with_mutual_tls(parsed, make_server, pk
         port = server.target.rsplit(":", 1)[1]
         with monkeypatch.context() as env:
             env.setenv("DUELQ_PORT", port)
+            env.setenv("DUELQ_TIMEOUT", "60")   # the probe's, generous on a busy machine
             assert cli.main(command[1:]) == cli.EXIT_FAILURE, name   # plaintext: refused
             env.setenv("DUELQ_TLS_CA", str(d / "server-ca.pem"))
             env.setenv("DUELQ_TLS_SERVER_NAME", "localhost")        # the certificate's name

@@ -59,7 +59,7 @@ batch = Batch(h_t=rng.standard_normal((B, H), dtype=np.float32),
 with LearnerClient(sys.argv[1]) as client, \\
         LearnerClient(sys.argv[1], feature_dtype="bfloat16") as narrow:
     print("step", client.train_step(batch).step, narrow.train_step(batch).step)
-print("health", main(["health", "--target", sys.argv[1]]))
+print("health", main(["health", "--target", sys.argv[1], "--timeout", "60"]))
 print("serve", main(["serve"]))
 print("demo", main(["demo", "--target", sys.argv[1]]))
 print("loaded", sorted(m for m in {NOT_ON_THE_CLIENT!r} if sys.modules.get(m) is not None))
