@@ -21,11 +21,13 @@ ENV VIRTUAL_ENV=/opt/duelq \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/duelq
 
-# Dependencies first (cached while only the sources change): read them from pyproject.
+# Dependencies first (cached while only the sources change): read them from pyproject,
+# the client's and the server and cuda extras'.
 WORKDIR /src
 COPY pyproject.toml ./
 RUN python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['cuda']))" > /tmp/requirements.txt \
+x = p['optional-dependencies']; print('\n'.join(p['dependencies'] + x['server'] + x['cuda']))" \
+    > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
 
 COPY README.md ./
@@ -37,7 +39,7 @@ COPY server ./server
 COPY apps ./apps
 # Our own package, dependencies already installed above.
 # hadolint ignore=DL3013
-RUN pip install --no-deps '.[cuda]'
+RUN pip install --no-deps .
 
 # A non-root user with its own CuPy kernel cache and checkpoint directory.
 RUN useradd --create-home --uid 10001 duelq \
@@ -57,8 +59,11 @@ ENV CUPY_CACHE_DIR=/home/duelq/.cache/cupy \
 VOLUME ["/data/checkpoints"]
 EXPOSE 50051 9090
 
+# Probes localhost:$DUELQ_PORT.  With TLS it also reads DUELQ_TLS_CA (and
+# DUELQ_TLS_SERVER_NAME when the certificate does not name localhost); with mTLS,
+# DUELQ_TLS_CLIENT_CERT and DUELQ_TLS_CLIENT_KEY (see the README).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-  CMD ["duelq", "health", "--target", "localhost:50051"]
+  CMD ["duelq", "health"]
 
 # Exec form: SIGTERM reaches the server, which drains, checkpoints and exits.
 ENTRYPOINT ["duelq", "serve"]

@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# Where nvidia-smi lists a GPU, `make demo` adds the cuda extra and the demo runs on it.
+GPU    := $(shell nvidia-smi -L 2>/dev/null | grep -m1 '^GPU')
 
 .PHONY: demo test gpu-check clean
 
@@ -11,11 +13,17 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 demo: $(BIN)/python
-	$(BIN)/pip install -q -e .
+ifneq ($(GPU),)
+	@echo "make demo: $(GPU): installing the cuda extra (CuPy)"
+	$(BIN)/pip install -q -e '.[server,demo,cuda]'
+else
+	@echo "make demo: no GPU listed by nvidia-smi: the NumPy reference backend"
+	$(BIN)/pip install -q -e '.[server,demo]'
+endif
 	$(BIN)/duelq demo
 
 test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[server,demo,test]'
 	$(BIN)/python -m pytest
 
 # On a GPU machine: the `gpu` tests and the device benchmark, with a table at the end.

@@ -12,8 +12,9 @@ Each actor thread owns a LearnerClient (the real client library): it pulls
 weights every ``--sync-every`` batches (Acme's variable-client pattern), acts
 ε-greedily with them, streams its batches through ``train_stream`` and folds
 its actions' entropy into the ``action_entropy_ema`` ISV slot with
-ComputeEntropy.  tqdm draws one progress bar per actor; matplotlib (Agg, no
-display needed) saves the loss curve as a PNG.
+ComputeEntropy.  tqdm draws one progress bar per actor on a terminal; matplotlib
+(Agg, no display needed) saves the loss curve as a PNG.  Ctrl-C stops the actors
+after their batches in flight and still prints the summary and saves the plot.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -33,7 +36,6 @@ from duelq.client import Batch, LearnerClient, errors
 from duelq.client.client import ServerInfo
 
 from duelq.server.core.config import LearnerConfig
-from duelq.apps.gym_demo import run_env_demo
 from duelq.server.core.learner import cuda_usable
 from duelq.server.fronts import start_server
 from duelq.server.server import ServerOptions
@@ -41,17 +43,52 @@ from duelq.server.server import ServerOptions
 log = logging.getLogger(__name__)
 
 ENTROPY_SLOT = "action_entropy_ema"
+INTERRUPTED = 130   # the exit code after Ctrl-C, as a shell's
 CONTINUE_PROB, GAMMA, NOISE = 0.3, 0.5, 0.1
 
 
 @dataclass
 class Trace:
-    """What the actors observed, shared under a lock."""
+    """What the actors observed, shared under a lock; ``stop`` asks them to finish early."""
 
     losses: dict[int, float] = field(default_factory=dict)  # step → loss
     entropy: list[tuple[int, float]] = field(default_factory=list)  # (step, EMA)
     failures: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def run_actors(count: int, actor: Callable[[int], None], stop: threading.Event,
+               failures: list[str]) -> bool:
+    """Run ``actor(i)`` on ``count`` threads until they end; a failure is appended to
+    ``failures``.  Ctrl-C sets ``stop`` and waits for the actors to wind down; returns
+    whether it came."""
+    def guarded(i: int) -> None:
+        try:
+            actor(i)
+        except Exception as exc:  # noqa: BLE001 — reported in the summary, exit 1
+            failures.append(f"actor {i}: {exc}")
+    threads = [threading.Thread(target=guarded, args=(i,), name=f"actor-{i}")
+               for i in range(count)]
+    interrupted = False
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            try:
+                t.join()
+            except KeyboardInterrupt:
+                interrupted = True
+                stop.set()
+                print("duelq demo: interrupted; letting the batches in flight finish",
+                      file=sys.stderr)
+    return interrupted
+
+
+def progress(total: int, index: int) -> tqdm:
+    """Actor ``index``'s progress bar, drawn only on a terminal (stderr)."""
+    return tqdm(total=total, desc=f"actor {index}", position=index, leave=True,
+                mininterval=0.25, unit="batch", disable=None)
 
 
 class Task:
@@ -98,6 +135,8 @@ def actor(index: int, args: argparse.Namespace, task: Task, n_actions: int,
         def batches():
             nonlocal params
             for i in range(args.steps):
+                if trace.stop.is_set():
+                    return
                 if i and i % args.sync_every == 0:
                     params = client.get_weights().params
                 epsilon = max(0.1, 1.0 - i / (0.6 * args.steps))
@@ -148,30 +187,42 @@ def save_plot(trace: Trace, path: Path, title: str) -> None:
 
 
 def summary(info: ServerInfo, where: str, args: argparse.Namespace, trace: Trace,
-            seconds: float, hit_rate: float, isv_value: float, plot: Path) -> str:
+            seconds: float, hit_rate: float, isv_value: float, plot: Path | None) -> str:
     losses = np.array([trace.losses[s] for s in sorted(trace.losses)])
-    tenth = max(1, len(losses) // 10)
-    first, last = losses[:tenth].mean(), losses[-tenth:].mean()
     steps = len(losses)
     n = info.n_actions
+    if steps:
+        tenth = max(1, steps // 10)
+        first, last = losses[:tenth].mean(), losses[-tenth:].mean()
+        trend = (f"  loss: first tenth {first:.4f} → last tenth {last:.4f} "
+                 f"({(last / first - 1) * 100:+.0f}%)")
+    else:
+        trend = "  loss: no step finished"
+    stopped = " (interrupted)" if trace.stop.is_set() else ""
     return "\n".join([
-        f"duelq demo: backend {info.backend} on {info.device} ({where})",
+        f"duelq demo: backend {info.backend} on {info.device} ({where}){stopped}",
         f"  {args.actors} actors × {args.steps} batches of B={args.batch_size}: {steps} steps, "
         f"{steps * args.batch_size} transitions in {seconds:.1f} s "
         f"({steps * args.batch_size / seconds:,.0f} transitions/s, {steps / seconds:.0f} steps/s)",
-        f"  loss: first tenth {first:.4f} → last tenth {last:.4f} "
-        f"({(last / first - 1) * 100:+.0f}%)",
+        trend,
         f"  action entropy EMA (ISV {ENTROPY_SLOT}): {isv_value:.3f} nats "
         f"(uniform: ln {n} = {math.log(n):.3f})",
         f"  greedy policy picks the best action on {hit_rate:.0%} of fresh states "
         f"(chance: {1 / n:.0%})",
         f"  server step {info.step}, weights version {info.version}",
-        f"  loss curve: {plot}",
+        f"  loss curve: {plot or 'none (no step finished)'}",
     ])
 
 
-def run_demo(args: argparse.Namespace, config: LearnerConfig, options: ServerOptions) -> int:
-    """Run the demo; 0 when every actor finished, 1 otherwise."""
+#: A demo's body, run against a ready server: (args, where the server is, its info) → exit.
+DemoBody = Callable[[argparse.Namespace, str, ServerInfo], int]
+
+
+def run_demo(args: argparse.Namespace, config: LearnerConfig, options: ServerOptions,
+             body: DemoBody | None = None) -> int:
+    """Start the server (or reach ``--target``) and run ``body`` (the synthetic demo by
+    default) against it; the exit code: 0 when every actor finished, 1 otherwise, 130
+    after Ctrl-C."""
     server = None
     if args.target:
         where = f"server at {args.target}"
@@ -184,44 +235,35 @@ def run_demo(args: argparse.Namespace, config: LearnerConfig, options: ServerOpt
         except (OSError, RuntimeError) as exc:
             print(f"duelq demo: cannot start the server: {exc}")
             return 1
-        args.target = server.target
     try:
+        target = args.target or server.target
         try:
-            with LearnerClient(args.target, token=args.token or None) as client:
+            with LearnerClient(target, token=args.token or None) as client:
+                if args.target:   # should be up: a dead target fails at once, not at a timeout
+                    client.info()
                 client.wait_ready(timeout=args.ready_timeout)
                 info = client.info()
         except errors.DuelqError as exc:
             print(f"duelq demo: {exc}")
             return 1
-        return run_env_demo(args, info) if args.env else _run(args, where, info)
+        args.target = target
+        return (body or run_synthetic)(args, where, info)
     finally:
         if server is not None:
             server.stop(1.0)
 
 
-def _run(args: argparse.Namespace, where: str, info: ServerInfo) -> int:
+def run_synthetic(args: argparse.Namespace, where: str, info: ServerInfo) -> int:
+    """The synthetic task's demo against a ready server."""
     H, N = info.hidden_dim, info.n_actions
     print(f"duelq demo: {args.actors} actors → {args.target} "
-          f"(backend {info.backend} on {info.device}, H={H}, N={N})")
+          f"(backend {info.backend} on {info.device}, H={H}, N={N})", flush=True)
     task = Task(H, N, args.demo_seed)
     trace = Trace()
-    bars = [tqdm(total=args.steps, desc=f"actor {i}", position=i, leave=True,
-                 mininterval=0.25, unit="batch") for i in range(args.actors)]
-
-    def run(i: int) -> None:
-        try:
-            actor(i, args, task, N, trace, bars[i])
-        except Exception as exc:  # noqa: BLE001 — reported in the summary, exit 1
-            with trace.lock:
-                trace.failures.append(f"actor {i}: {exc}")
-
+    bars = [progress(args.steps, i) for i in range(args.actors)]
     start = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,), name=f"actor-{i}")
-               for i in range(args.actors)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interrupted = run_actors(args.actors, lambda i: actor(i, args, task, N, trace, bars[i]),
+                             trace.stop, trace.failures)
     seconds = time.perf_counter() - start
     for bar in bars:
         bar.close()
@@ -234,8 +276,9 @@ def _run(args: argparse.Namespace, where: str, info: ServerInfo) -> int:
         hit_rate = float((client.act(probe).actions == task.best(probe)).mean())
         isv_value = client.read_isv([ENTROPY_SLOT])[0].value
         info = client.info()
-    plot = Path(args.plot).resolve()
-    save_plot(trace, plot, f"duelq demo: {args.actors} actors, backend {info.backend} "
-                           f"on {info.device}")
+    plot = Path(args.plot).resolve() if trace.losses else None
+    if plot is not None:
+        save_plot(trace, plot, f"duelq demo: {args.actors} actors, backend {info.backend} "
+                               f"on {info.device}")
     print(summary(info, where, args, trace, seconds, hit_rate, isv_value, plot))
-    return 0
+    return INTERRUPTED if interrupted else 0

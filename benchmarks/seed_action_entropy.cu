@@ -1,7 +1,8 @@
-// Baseline for benchmarks/device_step.py: the seeds' action-entropy kernel, copied from
-// shared/seeds/003_6fd15bb26512727b.txt unchanged except for indentation. Not used by the
-// service; its defects (DESIGN §8) are kept on purpose. NVRTC has no libc headers, so the
-// benchmark drops the unused #include <stdint.h> line before compiling it.
+// Baseline for benchmarks/device_step.py: the action-entropy kernel this project grew from,
+// copied unchanged except for indentation. Not used by the service; its defects (each
+// action's thread scans the whole batch, actions out of range are clamped, 0.0 stands for
+// "not yet observed") are kept on purpose. NVRTC has no libc headers, so the benchmark
+// drops the unused #include <stdint.h> line before compiling it.
 
 // action_entropy_per_step.cu — compute batch-level action entropy from
 // the actions buffer and update an ISV-resident EMA.

@@ -298,16 +298,41 @@ def _slot_ref(slot: str | int) -> pb.SlotRef:
     raise _bad("slot", f"must be a slot name or an index ≥ 0, got {slot!r}")
 
 
+def tls_credentials(ca: str | Path | None = None, cert: str | Path | None = None,
+                    key: str | Path | None = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files.
+
+    ``ca`` verifies the server's certificate (None: the system's CA roots); ``cert`` and
+    ``key`` are a client certificate chain and its private key, for a server that asks
+    for one (mutual TLS, ``duelq serve --tls-client-ca``).
+    """
+    if (cert is None) != (key is None):
+        raise _bad("cert" if cert is None else "key", "a client certificate needs both "
+                                                      "cert and key")
+
+    def read(name: str, path) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise _bad(name, f"cannot read {path}: {exc.strerror}") from None
+    return grpc.ssl_channel_credentials(root_certificates=read("ca", ca),
+                                        private_key=read("key", key),
+                                        certificate_chain=read("cert", cert))
+
+
 def _credentials(tls) -> grpc.ChannelCredentials | None:
     if tls is None or tls is False:
         return None
     if tls is True:
-        return grpc.ssl_channel_credentials()
+        return tls_credentials()
     if isinstance(tls, (str, Path)):
-        return grpc.ssl_channel_credentials(root_certificates=Path(tls).read_bytes())
+        return tls_credentials(tls)
     if isinstance(tls, grpc.ChannelCredentials):
         return tls
-    raise _bad("tls", "must be None, True, a CA bundle path or grpc.ChannelCredentials")
+    raise _bad("tls", "must be None, True, a CA bundle path or grpc.ChannelCredentials "
+                      "(tls_credentials)")
 
 
 class LearnerClient:
@@ -316,7 +341,7 @@ class LearnerClient:
     ``target`` is host:port.  ``token`` is sent as ``authorization: Bearer``
     metadata.  ``tls``: None for plaintext, True for TLS with the system's CA
     roots, a path to a PEM CA bundle, or ready ``grpc.ChannelCredentials``
-    (for mutual TLS).  ``timeout`` bounds each unary call in seconds.  On
+    (:func:`tls_credentials` makes them, a client certificate for mutual TLS included).  ``timeout`` bounds each unary call in seconds.  On
     UNAVAILABLE a call is retried up to ``retries`` times, sleeping
     ``backoff`` × 2^attempt seconds (jittered, at most ``max_backoff``).
     ``actor_id`` names this client in idempotency keys (default

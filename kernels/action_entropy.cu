@@ -1,5 +1,5 @@
 // action_entropy.cu — entropy of an actions buffer folded into an ISV slot as an EMA
-// (DESIGN §3).
+// (docs/design.md §2).
 //
 // Grid: G blocks of ENT_THREADS threads, all resident (cooperative launch); block b counts
 // the actions [b·P, b·P + P), P = per_block. A warp reads 32 consecutive actions at a time.

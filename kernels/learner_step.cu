@@ -1,4 +1,4 @@
-// learner_step.cu — one Dueling-DQN learner step (DESIGN §2) as ONE cooperative kernel,
+// learner_step.cu — one Dueling-DQN learner step (docs/design.md §1) as ONE cooperative kernel,
 // plus the Q-values kernel of Act.
 //
 // Grid: G blocks of THREADS threads, all resident (cooperative launch), G ≤ #SMs.
@@ -177,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     vec_t fetch_t[FETCH_PER_THREAD], fetch_n[FETCH_PER_THREAD];  // the next tile, in flight
     float fetch_f[4];  // thread r < ROW_TILE: reward, done, discount, weight of row r
     int fetch_act = 0;
-    bool inputs_ok = true;  // every input value this thread fetched is valid (DESIGN §6)
+    bool inputs_ok = true;  // every input value this thread fetched is valid (docs/design.md §7)
     auto fetch = [&](int row0) {
         fetch_rows<FEATURES>(fetch_t, h_t, row0, row_end);
         fetch_rows<FEATURES>(fetch_n, h_tp1, row0, row_end);

@@ -1,11 +1,14 @@
-"""Shared test helpers: random batches and configs, tools the tests run."""
+"""Shared test helpers: random batches and configs, tools the tests run, and waiting for an
+event."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -48,3 +51,12 @@ def tool(name: str, install: str) -> str:
     if found is None:
         missing(name, install)
     return found
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "") -> None:
+    """Poll ``predicate`` until it holds; fail only if it never does within ``timeout``
+    seconds (generous: a busy machine is slow, never wrong)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what or "the awaited event never came"
+        time.sleep(0.005)

@@ -33,9 +33,10 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "### Throughput by batch size" in run.stdout and "÷ echo" in run.stdout
     assert "byte stream on 2 processes" in run.stdout   # sharing its TCP port
+    assert "goal" not in run.stdout.lower()             # figures, no verdicts
 
     result = json.loads((out / "bench.json").read_text())
-    assert set(result) >= {"meta", "rows", "codec_us", "goals", "device_step", "failures"}
+    assert set(result) >= {"meta", "rows", "codec_us", "device_step", "failures"}
     assert result["failures"] == [] and result["meta"]["quick"] is True
     assert result["meta"]["echo_processes"] == 2
     rows = result["rows"]
@@ -122,7 +123,6 @@ def test_ratios_divide_by_the_ceiling_of_the_same_message_size():
     assert rows[2]["vs_echo"] == pytest.approx(0.9)
     assert rows[3]["vs_echo"] == pytest.approx(150 / 180)
     assert rows[3]["vs_echo_f32"] == pytest.approx(1.5)
-    assert {g["met"] for g in report.goals(rows, "reference")} == {True, False}
 
 
 def test_null_and_timed_backends_keep_the_learner_contract():
@@ -135,20 +135,3 @@ def test_null_and_timed_backends_keep_the_learner_contract():
     assert learner.backend.name == "null" and learner.backend.seconds > 0
     assert learner.weights()[1] == 2
 
-
-def _bench_doc(ratios: dict[str, float | None], steps: float) -> dict:
-    """A bench.json's rows with the given B = 1024 TrainStream ratios (None: the cell
-    failed), behind rows the summary must pass over: B = 256, the null backend."""
-    rows = [{"kind": "echo", "backend": "echo", "batch": 1024, "wire": "float32",
-             "steps_per_s": 1000.0}]
-    for wire in ratios:
-        rows += [{"kind": "stream", "backend": "cuda", "batch": 256, "wire": wire,
-                  "steps_per_s": 1.0, "vs_echo": 9.0, "vs_echo_f32": 9.0},
-                 {"kind": "stream", "backend": "null", "batch": 1024, "wire": wire,
-                  "steps_per_s": 1.0, "vs_echo": 9.0, "vs_echo_f32": 9.0}]
-    for wire, ratio in ratios.items():
-        row = {"kind": "stream", "backend": "cuda", "batch": 1024, "wire": wire,
-               "steps_per_s": steps}
-        rows.append({**row, "error": "an actor died"} if ratio is None else
-                    {**row, "vs_echo": ratio, "vs_echo_f32": ratio})
-    return {"rows": rows}

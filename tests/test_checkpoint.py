@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from duelq.server.core.learner import Learner
 from duelq.server.core.state import LearnerState
 
 from conftest import SMALL, random_batch
+from helpers import wait_for
 
 CONFIG = LearnerConfig(hidden_dim=8, n_actions=3, isv_size=16, isv_slots={"ent": 5},
                        step_entropy_slot="ent", tau=0.1, target_update_period=2, seed=7)
@@ -322,25 +323,30 @@ def test_extras_round_trip_inside_the_digest(tmp_path, state):
 
 
 def test_writer_saves_periodically_off_the_step_path_and_at_close(tmp_path):
+    """Every 4 steps and at close.  The snapshot is held until the test lets it go, after
+    notify returned: notify never waits for a save (were it to, the held snapshot would
+    give up after 10 s and the saves would be missing)."""
     learner = Learner(CONFIG, backend="reference")
-    snapshots = []
+    snapshots, taken, go = [], threading.Semaphore(0), threading.Semaphore(0)
 
-    def slow_snapshot():
-        time.sleep(0.05)          # a slow snapshot must not slow the notifying thread
+    def held_snapshot():
+        taken.release()
+        assert go.acquire(timeout=10)
         snapshots.append(learner.step_count)
         return learner.snapshot(), {"note": str(learner.step_count).encode()}
 
-    writer = CheckpointWriter(tmp_path, CONFIG, slow_snapshot, keep=10, every_steps=4)
+    writer = CheckpointWriter(tmp_path, CONFIG, held_snapshot, keep=10, every_steps=4)
     writer.start()
-    slowest = 0.0
     for batch in batches(10):
         learner.step(batch)
-        started = time.perf_counter()
-        writer.notify(learner.step_count)
-        slowest = max(slowest, time.perf_counter() - started)
-        time.sleep(0.08)          # let the saver catch up before the next step
+        writer.notify(learner.step_count)   # returns while a due save is held
+        if learner.step_count % 4 == 0:
+            assert taken.acquire(timeout=10)
+            go.release()
+            wait_for(lambda: (tmp_path / checkpoint_name(learner.step_count)).exists())
+    go.release()                            # the final save's snapshot
     path, step = writer.close()
-    assert slowest < 0.02 and (path.name, step) == (checkpoint_name(10), 10)
+    assert (path.name, step) == (checkpoint_name(10), 10)
     assert snapshots == [4, 8, 10]
     assert sorted(os.listdir(tmp_path)) == [checkpoint_name(s) for s in (4, 8, 10)]
     assert read_checkpoint(path, CONFIG).extras == {"note": b"10"}

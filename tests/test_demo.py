@@ -100,10 +100,71 @@ def test_demo_against_a_running_server_with_a_token(make_server, tmp_path, capsy
     assert server.learner.step_count == 72
 
 
-def test_demo_against_a_dead_server_exits_1(dead_target, capsys):
-    argv = ["demo", *SMALL_DEMO, "--target", dead_target, "--ready-timeout", "0.5"]
-    assert cli.main(argv) == cli.EXIT_FAILURE
-    assert f"learner at {dead_target} not SERVING" in capsys.readouterr().out
+def test_demo_against_a_dead_target_says_connection_refused_without_waiting(dead_target):
+    """No wait for readiness at a target where nothing listens: the client's own retries
+    (about a second), then the refusal (were it to wait for --ready-timeout, the
+    subprocess's generous limit would end the test)."""
+    done = subprocess.run([sys.executable, "-m", "duelq.apps.cli", "demo", *SMALL_DEMO,
+                           "--target", dead_target, "--ready-timeout", "3600"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == cli.EXIT_FAILURE
+    assert f"learner at {dead_target} unavailable" in done.stdout
+    assert "Connection refused" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_stops_the_demo_with_a_partial_summary_and_plot(make_server, tmp_path):
+    """SIGINT once steps are flowing: the actors finish their batches in flight, the
+    summary (marked interrupted) and the plot still come, exit 130; the output is a
+    pipe, so no progress bars (no carriage returns, no escape codes)."""
+    server = make_server()
+    plot = tmp_path / "loss.png"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "duelq.apps.cli", "demo", "--target", server.target,
+         "--actors", "2", "--steps", "1000000", "--batch-size", "8", "--plot", str(plot)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while server.learner.step_count < 3:
+            assert demo.poll() is None and time.monotonic() < deadline, demo.stderr.read()
+            time.sleep(0.05)
+        demo.send_signal(signal.SIGINT)
+        out, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == cli.EXIT_INTERRUPTED, err
+    assert "(interrupted)" in out and "Traceback" not in err
+    steps = int(re.search(r"× 1000000 batches of B=8: (\d+) steps", out).group(1))
+    assert 3 <= steps == server.learner.step_count
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "\r" not in err and "\x1b[" not in err
+
+
+def test_global_flags_go_before_or_after_the_command_and_version(capsys, server):
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--log-format", "json", "--log-level", "DEBUG"])
+    assert (args.log_format, args.log_level) == ("json", "DEBUG")
+    args = parser.parse_args(["--log-format", "json", "serve", "--log-level", "ERROR"])
+    assert (args.log_format, args.log_level) == ("json", "ERROR")   # before, kept
+    assert parser.parse_args(["--log-format", "json", "serve"]).log_format == "json"
+    assert cli.main(["health", "--target", server.target, "--log-level", "WARNING"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert re.fullmatch(r"duelq \S+\n", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("command", ["serve", "demo", "bench", "health"])
+def test_help_names_flags_not_fields_and_no_repository_files(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = capsys.readouterr().out
+    fields = {f.name for f in dataclasses.fields(LearnerConfig) + dataclasses.fields(ServerOptions)
+              if "_" in f.name}
+    assert "``" not in text
+    assert not [name for name in fields if re.search(rf"(?<![-\w]){name}\b", text)]
+    assert not re.search(r"[\w/]+\.(py|md|cu)\b", text)
 
 
 def _serve(*argv: str) -> subprocess.Popen:

@@ -33,13 +33,15 @@ from duelq.server.core.checkpoint import CheckpointError
 from duelq.server.core.config import LearnerConfig
 from duelq.server.fronts.front import FrontServer, LearnerProcessError, usable_cpus
 from duelq.server.core.learner import cuda_usable
-from duelq.server.fronts.relay import AHEAD, MAX_STREAM_ID, RelayFront, RelayLearner, SlotPool
+from duelq.server.fronts.relay import (AHEAD, LOOK_AFTER_S, MAX_STREAM_ID, RelayFront,
+                                       RelayLearner, SlotPool)
 from duelq.server.fronts import start_server
 from duelq.server.server import SERVICE_NAME, ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from conftest import SMALL, random_batch
+from helpers import wait_for
 
 
 @pytest.fixture
@@ -422,7 +424,7 @@ def _named_jobs_relay(prepare_hook, applied: list, *, slots: int = 4, **kwargs):
 def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
     """A request whose stream ends while the relay prepares it is not applied: its END is
     read before the request is stepped."""
-    preparing, applied = threading.Event(), []
+    preparing, ended, applied = threading.Event(), threading.Event(), []
 
     class Depth:   # requests received and not yet answered
         count = 0
@@ -436,7 +438,7 @@ def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
     def hook(name):
         if name == "slow":
             preparing.set()
-            time.sleep(0.2)
+            assert ended.wait(10)
     learner, front = _named_jobs_relay(hook, applied, depth=Depth())
     try:
         stream = front.open(unary=False, deadline=None)
@@ -446,11 +448,9 @@ def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
         assert stream.submit(b"slow")
         assert preparing.wait(5)
         stream.close()   # END, while "slow" is being prepared
-        for _ in range(100):
-            if Depth.count == 0:
-                break
-            time.sleep(0.02)
-        assert Depth.count == 0 and applied == ["first"]
+        ended.set()
+        wait_for(lambda: Depth.count == 0)
+        assert applied == ["first"]
     finally:
         front.close()
         learner.close()
@@ -460,22 +460,25 @@ def test_relay_an_end_stops_a_prepared_request_with_others_queued_behind_it():
     """As above, with requests of another stream received behind it, so the relay has more
     to prepare and need not look for frames every pass: it still reads before stepping a
     request prepared since its last read, so the END stops that request."""
-    preparing, applied = threading.Event(), []
+    preparing, sent, ended = (threading.Event() for _ in range(3))
+    applied: list = []
 
     def hook(name):
-        if name < "a5":   # the first ones slow, so the rest are received meanwhile
-            time.sleep(0.01)
+        if name == "a0":   # held until everything is sent, so the rest are received
+            assert sent.wait(10)
         elif name == "slow":
             preparing.set()
-            time.sleep(0.2)
+            assert ended.wait(10)
     learner, front = _named_jobs_relay(hook, applied, slots=32)
     try:
         busy, ending = (front.open(unary=False, deadline=None) for _ in range(2))
         for name in [f"a{i}" for i in range(5)] + ["slow"] + [f"b{i}" for i in range(10)]:
             assert (ending if name == "slow" else busy).submit(name.encode())
-        assert preparing.wait(5)
+        sent.set()
+        assert preparing.wait(10)
         assert learner._received   # received, not yet prepared: b0 …
         ending.close()   # END, while "slow" is being prepared
+        ended.set()
         busy.done_sending()
         assert [payload for _, payload in busy.replies()] == \
             [f"a{i}".encode() for i in range(5)] + [f"b{i}".encode() for i in range(10)]
@@ -489,12 +492,13 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
     """A step that waits (for the apply lock, say) and then asks whether its call is still
     active learns of an END sent meanwhile: the relay reads the frames that came, so the
     request is refused, not applied; the relay serves on."""
-    waiting, applied = threading.Event(), []
+    waiting, ended, applied = threading.Event(), threading.Event(), []
 
     def apply(job, call):
         if job.name == "waits":
             waiting.set()
-            time.sleep(0.1)   # the END comes meanwhile
+            assert ended.wait(10)   # the END comes meanwhile
+            time.sleep(2 * LOOK_AFTER_S)   # a wait that long makes is_active read frames
         if not call.is_active():
             raise RuntimeError("the call ended while the request waited; not applied")
         applied.append(job.name)
@@ -506,8 +510,9 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
     try:
         stream = front.open(unary=False, deadline=None)
         assert stream.submit(b"waits")
-        assert waiting.wait(5)
+        assert waiting.wait(10)
         stream.close()   # END, while the step waits
+        ended.set()
         after = front.open(unary=True, deadline=None)
         assert after.submit(b"after")
         after.done_sending()
@@ -575,10 +580,7 @@ def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
             fronts.append(RelayFront(theirs, pool))
         for front in fronts:
             front.open(unary=False, deadline=None)
-        for _ in range(100):   # every OPEN read
-            if counts["open"] == len(fronts):
-                break
-            time.sleep(0.01)
+        wait_for(lambda: counts["open"] == len(fronts))   # every OPEN read
         learner.close()
         assert learner.closed.is_set() and counts["open"] == counts["close"] == len(fronts)
         counts.update(open=0, close=0)
@@ -650,12 +652,9 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
         for thread in threads[8:]:
             thread.start()
         for thread in threads:
-            thread.join(10)
-        for _ in range(500):
-            if depth[0] == 0:
-                break
-            time.sleep(0.01)
-        assert depth[0] == 0 and not any(t.is_alive() for t in threads)
+            thread.join(60)
+        wait_for(lambda: depth[0] == 0)
+        assert not any(t.is_alive() for t in threads)
         assert len(applied) == len(set(applied))
         for f, s, end_after in streams:
             sent = [f"f{f}s{s}r{i}".encode() for i in range(40 if end_after is None
@@ -843,10 +842,16 @@ def test_failing_cancelled_and_expired_streams_leave_it_serving():
             call = stub.TrainStream(requests())
             next(call)
             call.cancel()
-        time.sleep(0.5)
-        settled = stub.GetInfo(pb.GetInfoRequest()).step
-        time.sleep(0.3)
-        assert stub.GetInfo(pb.GetInfoRequest()).step == settled   # nothing left running
+        # The calls' requests in flight may still land; then the step count holds still
+        # (a stream left running would keep it moving until the deadline).
+        deadline, settled = time.monotonic() + 60, stub.GetInfo(pb.GetInfoRequest()).step
+        while True:
+            time.sleep(0.3)
+            step = stub.GetInfo(pb.GetInfoRequest()).step
+            if step == settled:
+                break
+            assert time.monotonic() < deadline, "steps kept coming after every call ended"
+            settled = step
         assert not front.broken.is_set()
         assert stub.TrainStep(good, timeout=10).step == settled + 1
     finally:
@@ -1063,9 +1068,11 @@ def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
             assert stream.submit(b"x")
         assert held.wait(10)   # the first step holds; three requests queue behind it
         answers: list = []
-        caller = threading.Thread(target=lambda: answers.append(front.call(1, b"abc", None)))
+        sent = threading.Event()
+        caller = threading.Thread(target=lambda: answers.append(
+            front.call(1, b"abc", None, lambda cancel: sent.set())))
         caller.start()
-        time.sleep(0.2)
+        assert sent.wait(10)   # the call's frame is on its way, behind the queued three
         go.set()
         caller.join(10)
         stream.done_sending()
@@ -1110,17 +1117,13 @@ def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
         stream = front.open(unary=True, deadline=None)
         assert stream.submit(b"x")
         assert held.wait(10)
-        start = time.monotonic()
-        code, _ = front.call(0, b"late", start + 0.1)
-        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 2
+        code, _ = front.call(0, b"late", time.monotonic() + 0.1)   # the step still held
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
         cancels, answers = [], []
         caller = threading.Thread(target=lambda: answers.append(
             front.call(0, b"cancelled", None, cancels.append)))
         caller.start()
-        for _ in range(100):
-            if cancels:
-                break
-            time.sleep(0.01)
+        wait_for(lambda: cancels)
         cancels[0]()
         go.set()
         caller.join(10)

@@ -20,6 +20,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from conftest import SMALL, random_batch
+from helpers import wait_for
 from test_faults import Served, free_port
 
 
@@ -37,13 +38,6 @@ class Gate:
             self.entered.release()
             self.opened.wait(30)
         return self._propose(batch, upload)
-
-
-def wait_for(predicate, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
 
 
 def keyed(rng, seq: int, actor: str = "a") -> pb.TrainRequest:
@@ -110,13 +104,12 @@ def test_deadline_passing_during_the_step_keeps_it_applied_once(make_server):
     server = make_server()
     gate = Gate(server.learner.backend)
     batch = random_batch(np.random.default_rng(2), 8)
-    with LearnerClient(server.target, actor_id="slow", timeout=0.3) as client:
-        timer = threading.Timer(0.6, gate.opened.set)    # the step outlives the deadline
-        timer.start()
+    with LearnerClient(server.target, actor_id="slow", timeout=2.0) as client:
         with pytest.raises(errors.DeadlineExceeded) as info:
-            client.train_step(batch)
-        timer.join()
-        wait_for(lambda: server.learner.step_count == 1)  # it had started: it is applied
+            client.train_step(batch)                    # the gate holds the step past it
+        assert gate.entered.acquire(timeout=30)         # the step had started...
+        gate.opened.set()
+        wait_for(lambda: server.learner.step_count == 1)  # ...so it is applied
         resent = client.train_step(batch, seq=info.value.seq)
         assert resent.replayed and resent.step == 1 and server.learner.step_count == 1
         with pytest.raises(errors.InvalidArgument, match="seq"):
@@ -157,6 +150,7 @@ def test_many_actors_for_seconds_hold_memory_steady_and_see_no_errors():
         threads = [threading.Thread(target=actor, args=(a,)) for a in range(actors)]
         for t in threads:
             t.start()
+        wait_for(lambda: min(results) > 0 or failures, 120, "an actor never got an answer")
         time.sleep(1.0)                                   # warm-up: caches and pools fill
         samples, started = [rss_bytes(pid)], time.monotonic()
         while time.monotonic() - started < seconds:

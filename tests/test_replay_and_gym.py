@@ -1,13 +1,16 @@
-"""The actor-side n-step prioritised replay, and a greedy policy that reaches the
-known optimum of a real gymnasium task."""
+"""The actor-side n-step prioritised replay, and a learned Q whose greedy action is optimal
+in every reachable state of a real gymnasium task (Q* by value iteration, and by hand)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
 from duelq.client.replay import NStepReplay
 from duelq.server.core import Learner, LearnerConfig
+from duelq.server.core.reference import q_values
 
 
 def h(i: int) -> np.ndarray:
@@ -68,33 +71,105 @@ def test_replay_checks_its_arguments():
         NStepReplay(4, 2).sample(1, np.random.default_rng(0))
 
 
-def test_greedy_policy_reaches_the_optimum_on_frozen_lake():
+#: Deterministic 4×4 FrozenLake: S start, F frozen, H hole, G goal (reward 1, terminal).
+LAKE = ["SFFF",
+        "FHFH",
+        "FFFH",
+        "HFFG"]
+MOVES = [(0, -1), (1, 0), (0, 1), (-1, 0)]   # LEFT, DOWN, RIGHT, UP as (row, column)
+
+
+def lake_q_star(gamma: float) -> np.ndarray:
+    """Q* [16, 4] by hand: with d(s) the fewest moves from s to the goal (holes barred),
+    V*(s) = γ^(d(s) − 1); Q*(s, a) = 1 into the goal, 0 into a hole, γ V*(s') elsewhere;
+    a move off the grid stays put."""
+    tile = "".join(LAKE)
+
+    def move(s: int, a: int) -> int:
+        r, c = divmod(s, 4)
+        return min(max(r + MOVES[a][0], 0), 3) * 4 + min(max(c + MOVES[a][1], 0), 3)
+    distance, layer = {15: 0}, {15}
+    while layer:
+        layer = {s for s in range(16) if s not in distance and tile[s] != "H"
+                 and any(move(s, a) in layer for a in range(4))}
+        distance.update({s: 1 + min(distance.get(move(s, a), 99) for a in range(4))
+                         for s in layer})
+    q = np.zeros((16, 4))
+    for s in range(16):
+        for a in range(4):
+            s2 = move(s, a)
+            if tile[s] not in "HG" and tile[s2] != "H":
+                q[s, a] = gamma ** distance[s2]   # γ · γ^(d(s') − 1); 1 into the goal
+    return q
+
+
+def test_value_iteration_finds_the_hand_computed_q_star():
     pytest.importorskip("gymnasium")
-    from duelq.apps.gym_actor import (OPTIMAL_RETURN, ActorConfig, env_dims, greedy_return,
-                                        run_actor)
+    from duelq.apps.gym_actor import optimal_q, reachable_states
+    np.testing.assert_allclose(optimal_q("FrozenLake-v1", 0.9), lake_q_star(0.9), atol=1e-9)
+    assert reachable_states("FrozenLake-v1") == [0, 1, 2, 3, 4, 6, 8, 9, 10, 13, 14]
+
+
+def test_greedy_action_is_optimal_in_every_reachable_frozen_lake_state():
+    """One actor (deterministic: the same seed, the same steps) against an in-process
+    learner with the demo's settings."""
+    pytest.importorskip("gymnasium")
+    from duelq.apps.gym_actor import (TASKS, ActorConfig, check_policy, env_dims,
+                                      greedy_return, run_actor)
+    from duelq.apps.gym_demo import env_config
     env_id = "FrozenLake-v1"
-    H, N = env_dims(env_id)
-    learner = Learner(LearnerConfig(hidden_dim=H, n_actions=N, optimizer="sgd", lr=1.0,
-                                    tau=0.05), backend="reference")
-    before = greedy_return(env_id, learner.weights()[0])
-    report = run_actor(ActorConfig(env_id=env_id, env_steps=2000),
-                       train=lambda b: learner.step(b).priorities,
+    learner = Learner(env_config(env_id, LearnerConfig(), LearnerConfig()), backend="reference")
+    cfg = ActorConfig.of(env_id)
+    before = check_policy(env_id, learner.weights()[0], cfg.gamma)
+    report = run_actor(cfg, train=lambda b: learner.step(b).priorities,
                        pull=lambda: learner.weights()[0])
-    assert report.batches == learner.step_count == 1800
-    assert before < OPTIMAL_RETURN[env_id]
-    assert greedy_return(env_id, learner.weights()[0]) == OPTIMAL_RETURN[env_id]
+    assert report.batches == learner.step_count == cfg.env_steps - cfg.warmup
+    assert env_dims(env_id) == (16, 4)
+    assert not before.all_optimal
+    after = check_policy(env_id, learner.weights()[0], cfg.gamma)
+    print(f"greedy optimal in {after.optimal}/{after.states} states, "
+          f"max |Q - Q*| = {after.q_error:.4f}")
+    assert (after.optimal, after.states) == (11, 11)
+    q = learner.weights()[0]
+    learned = q_values(q, np.eye(16, dtype=np.float32)).astype(np.float64)
+    states = [0, 1, 2, 3, 4, 6, 8, 9, 10, 13, 14]
+    assert after.q_error == pytest.approx(np.abs(learned - lake_q_star(cfg.gamma))[states].max())
+    assert after.q_error < 0.1
+    assert greedy_return(env_id, q) == TASKS[env_id].optimal_return
 
 
-def test_env_demo_learns_through_the_server(tmp_path, capsys):
+def test_greedy_action_is_optimal_in_every_reachable_cliff_walking_state():
+    """The second task: 37 reachable states, rewards of −1 a move and −100 off the cliff
+    (back to the start), an optimal return of −13."""
+    pytest.importorskip("gymnasium")
+    from duelq.apps.gym_actor import TASKS, ActorConfig, check_policy, greedy_return, run_actor
+    from duelq.apps.gym_demo import env_config
+    env_id = "CliffWalking-v1"
+    learner = Learner(env_config(env_id, LearnerConfig(), LearnerConfig()), backend="reference")
+    cfg = ActorConfig.of(env_id)
+    run_actor(cfg, train=lambda b: learner.step(b).priorities,
+              pull=lambda: learner.weights()[0])
+    check = check_policy(env_id, learner.weights()[0], cfg.gamma)
+    print(f"greedy optimal in {check.optimal}/{check.states} states, "
+          f"max |Q - Q*| = {check.q_error:.4f}")
+    assert (check.optimal, check.states) == (37, 37)
+    assert check.q_error < 1.0   # Q* spans −1 … −106
+    assert greedy_return(env_id, learner.weights()[0]) == TASKS[env_id].optimal_return
+
+
+def test_env_demo_learns_q_star_through_the_server(tmp_path, capsys):
     pytest.importorskip("gymnasium")
     from duelq.apps.cli import main
     plot = tmp_path / "frozen.png"
-    code = main(["demo", "--env", "FrozenLake-v1", "--actors", "2", "--env-steps", "1500",
-                 "--backend", "reference", "--plot", str(plot)])
+    code = main(["demo", "--env", "FrozenLake-v1", "--actors", "1", "--backend", "reference",
+                 "--plot", str(plot)])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert "2800 learner steps" in out   # 3000 env steps − 200 warm-up, one batch each
+    assert "greedy action optimal in 11/11 reachable states" in out
+    error = float(re.search(r"max \|Q − Q\*\| = ([\d.]+)", out).group(1))
+    assert error < 0.1
     assert "greedy policy return 1 (optimum 1): reaches the optimum" in out
-    assert "2600 learner steps" in out  # 2 actors × (1500 − 200 warm-up) batches
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

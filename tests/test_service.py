@@ -1,7 +1,7 @@
 """The server through the wire: raw stubs against a real in-process server.
 
 Covers stream order, the global order of concurrent streams, idempotency,
-every bad input of DESIGN §6 (state untouched, server still serving),
+every bad input of docs/design.md §7 (state untouched, server still serving),
 limits, health transitions, auth, TLS and internal errors.
 """
 
@@ -232,7 +232,7 @@ def test_malformed_idempotency_records_are_refused(damage):
         ReplayGuard.from_bytes(data, REPLAY_KINDS)
 
 
-# -- bad input (DESIGN §6) --------------------------------------------------------------
+# -- bad input (docs/design.md §7) --------------------------------------------------------------
 
 def _set(field, array):
     def mutate(request):

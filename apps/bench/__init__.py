@@ -28,14 +28,14 @@ in-process server by an interceptor (protobuf parse and serialise in grpc's
 The copy into pinned memory towards the device (``upload``, before the step's turn on
 the cuda backend) is not subtracted: it counts as overhead.
 A breakdown by phase (tensor decode, validation, response encode) is timed off-line
-on the same sizes.  On a cuda backend the device step time against PyTorch comes
-from benchmarks/device_step.py (the CUDA benchmark), when it is present.
+on the same sizes.  On a cuda backend run from a duelq checkout, the device step time
+against PyTorch comes from the checkout's device benchmark.
 
 Output: a markdown table on stdout, ``bench.json`` and ``bench.png`` under ``--out``.
 
 Modules: :mod:`.run` (plan, cells, :func:`run_bench`), :mod:`.servers` (the echo ceiling,
 the learner server process, the in-line instruments), :mod:`.actors` (actor processes),
-:mod:`.report` (ratios, goals, tables, plot), :mod:`.base` (what they share).
+:mod:`.report` (ratios, tables, plot), :mod:`.base` (what they share).
 
 Exit codes: 0 every cell measured, 1 a cell or the device benchmark failed (what
 was measured is still written), 2 a usage error.

@@ -1,4 +1,4 @@
-"""Ratios to the ceiling, goals, markdown tables and the PNG plot of a bench result."""
+"""Ratios to the ceiling, markdown tables and the PNG plot of a bench result."""
 
 from __future__ import annotations
 
@@ -30,39 +30,17 @@ def add_ratios(rows: list[dict]) -> None:
         r["vs_echo_f32"] = (r["transitions_per_s"] / f32["transitions_per_s"]) if f32 else None
 
 
-def goals(rows: list[dict], backend: str) -> list[dict]:
-    """Issue 5's goals, as measured in this run (informational, never asserted)."""
-    def find(**match):
-        return next((r for r in rows if "error" not in r and r["section"] == "main"
-                     and all(r[k] == v for k, v in match.items())), None)
-    out = []
-    for be in (backend, "null"):
-        r = find(kind="stream", backend=be, batch=1024, wire="float32")
-        if r and r.get("vs_echo") is not None:
-            out.append({"goal": f"TrainStream ({be}) ≥ 90 % of the byte stream at B=1024",
-                        "value": f"{100 * r['vs_echo']:.0f} %", "met": r["vs_echo"] >= 0.9})
-        if r and "server_us" in r:
-            v = r["server_us"]["overhead"]
-            out.append({"goal": f"server overhead ({be}) ≤ 100 µs/step at B=1024 (GPU host)",
-                        "value": f"{v:.0f} µs", "met": v <= 100})
-        for wire in ("float16", "bfloat16"):
-            r = find(kind="stream", backend=be, batch=1024, wire=wire)
-            if r and r.get("vs_echo_f32") is not None:
-                out.append({"goal": f"{wire} TrainStream ({be}) ≥ 1.8× the float32 ceiling, "
-                                    f"B=1024", "value": f"{r['vs_echo_f32']:.2f}×",
-                            "met": r["vs_echo_f32"] >= 1.8})
-    return out
-
-
 def _f(x, fmt: str = ".0f", unit: str = "") -> str:
     return "—" if x is None else f"{x:{fmt}}{unit}"
 
 
+def markdown(head: str, lines: list[str]) -> str:
+    """A markdown table: ``head`` (a header row), its rule, then ``lines``."""
+    return "\n".join([head, "|" + "---|" * (head.count("|") - 1), *lines])
+
+
 def table(rows: list[dict], section: str) -> str:
-    head = ("| kind | backend | transport | K | B | wire | request KB | steps/s | transitions/s "
-            "| MB/s | p50 ms | p99 ms | ÷ echo | ÷ f32 echo | server µs/step "
-            "| CPU µs/step actor + server |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = []
     for r in rows:
         if r["section"] != section:
             continue
@@ -79,14 +57,13 @@ def table(rows: list[dict], section: str) -> str:
             f"| {_f(r['p99_ms'], '.2f')} | {_f(r.get('vs_echo'), '.2f')} "
             f"| {_f(r.get('vs_echo_f32'), '.2f')} | {_f(server)} "
             f"| {r['client_cpu_us']:.0f} + {_f(r['server_cpu_us'])} |")
-    return "\n".join(lines)
+    return markdown("| kind | backend | transport | K | B | wire | request KB | steps/s "
+                    "| transitions/s | MB/s | p50 ms | p99 ms | ÷ echo | ÷ f32 echo "
+                    "| server µs/step | CPU µs/step actor + server |", lines)
 
 
 def overhead_table(rows: list[dict], costs: dict) -> str:
-    head = ("| backend | B | wire | K | parse | handler | backend step | serialise "
-            "| **overhead** (CPU) | overhead (wall) | lock wait (wall) "
-            "| off-line: parse / decode / validate / encode / serialise |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = []
     for r in rows:
         s = r.get("server_us")
         if r["section"] != "main" or not s:
@@ -99,21 +76,23 @@ def overhead_table(rows: list[dict], costs: dict) -> str:
             f"| {s['parse_cpu']:.0f} | {s['handler_cpu']:.0f} | {s['backend_cpu']:.0f} "
             f"| {s['serialize_cpu']:.0f} | **{s['overhead']:.0f}** | {s['overhead_wall']:.0f} "
             f"| {s['wait']:.0f} | {offline} |")
-    return "\n".join(lines)
+    return markdown("| backend | B | wire | K | parse | handler | backend step | serialise "
+                    "| **overhead** (CPU) | overhead (wall) | lock wait (wall) "
+                    "| off-line: parse / decode / validate / encode / serialise |", lines)
 
 
 def device_table(result: dict) -> str:
     if "rows" not in result:
         return f"device step: {result.get('skipped') or result.get('error')}"
-    lines = ["| B | duelq device µs | torch eager µs | torch CUDA graph µs | eager ÷ duelq "
-             "| graph ÷ duelq | propose() µs |", "|---|---|---|---|---|---|---|"]
+    lines = []
     for r in result["rows"]:
         d, e, g = r.get("duelq_us"), r.get("torch_eager_us"), r.get("torch_graph_us")
         lines.append(f"| {r['B']} | {_f(d, '.1f')} | {_f(e, '.1f')} | {_f(g, '.1f')} "
                      f"| {_f(e / d if d and e else None, '.1f', '×')} "
                      f"| {_f(g / d if d and g else None, '.1f', '×')} "
                      f"| {_f(r.get('propose_us'), '.1f')} |")
-    return "\n".join(lines)
+    return markdown("| B | duelq device µs | torch eager µs | torch CUDA graph µs "
+                    "| eager ÷ duelq | graph ÷ duelq | propose() µs |", lines)
 
 
 def _measured(meta: dict) -> str:
@@ -205,10 +184,6 @@ def report(result: dict) -> str:
         parts += ["", "### Server-side µs per step, in-line (CPU time of the handler thread; "
                       "overhead = parse + handler − backend step + serialise; the wall figure "
                       "also subtracts the lock wait)", "", over]
-    parts += ["", "### Device step (benchmarks/device_step.py)", "",
+    parts += ["", "### Device step (against PyTorch on the same GPU)", "",
               device_table(result["device_step"])]
-    if result["goals"]:
-        parts += ["", "### Issue 5 goals, as measured here", ""]
-        parts += [f"- {g['goal']}: {g['value']} ({'met' if g['met'] else 'not met'})"
-                  for g in result["goals"]]
     return "\n".join(parts)

@@ -34,7 +34,7 @@ from duelq.server.core.state import LearnerState
 from duelq.apps.bench.actors import ActorPool, make_batch
 from duelq.apps.bench.base import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, TRANSPORTS, WIRES, BenchError, UsageError,
                    cpu_seconds)
-from duelq.apps.bench.report import add_ratios, goals, percentile_ms, plot, report
+from duelq.apps.bench.report import add_ratios, percentile_ms, plot, report
 from duelq.apps.bench.servers import (TUNED_OPTIONS, AioEchoServer, EchoProcesses, EchoServer, NullBackend,
                       ServerClock,
                       ServerProcess, TimedBackend, TimedLock)
@@ -478,7 +478,7 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
                      "wall_s": round(time.time() - started, 1)},
             "rows": rows, "codec_us": {f"{B}/{w}": c for (B, w), c in bench.sizes.items()},
-            "goals": goals(rows, bench.backend_name), "device_step": device,
+            "device_step": device,
             "failures": failures}
         (plan.out / "bench.json").write_text(json.dumps(out, indent=1))
         return out

@@ -1,7 +1,7 @@
 """The small interface every backend implements; the learner holds the logic.
 
 A backend owns the learner state (host or device memory) and does the
-arithmetic of DESIGN §2–§3.  A step is two-phase: :meth:`Backend.propose`
+arithmetic of docs/design.md §1–§2.  A step is two-phase: :meth:`Backend.propose`
 computes the candidate state and the outputs without touching the current
 state; the learner then calls :meth:`Backend.commit` or :meth:`Backend.discard`.
 Before its turn, a batch may already be sent on its way to the device with
@@ -33,7 +33,7 @@ class StepOutputs:
     grad_norm: float          # global L2 norm of the gradient before clipping
     finite: bool              # TD errors, gradients and every new tensor are finite
     entropy: float | None     # the batch's action entropy when step_entropy_slot is set
-    inputs_valid: bool = True  # every input value passes DESIGN §6 (see checks_values)
+    inputs_valid: bool = True  # every input value passes docs/design.md §7 (see checks_values)
 
 
 class Upload(abc.ABC):

@@ -110,7 +110,7 @@ def validate_features(h, hidden_dim: int, name: str, rows: int | None = None, *,
 
 def validate_batch(batch: Batch, config: LearnerConfig, max_batch_size: int, *,
                    check_values: bool = True, keep: tuple = ()) -> Batch:
-    """Check every field of ``batch`` (DESIGN §6); return a float32/int32 copy-free view.
+    """Check every field of ``batch`` (docs/design.md §7); return a float32/int32 copy-free view.
 
     Raises InvalidArgument naming the first bad field, or ResourceExhausted when
     B exceeds ``max_batch_size``.  ``check_values=False`` checks dtypes and shapes only

@@ -1,4 +1,4 @@
-"""Learner configuration: one dataclass, one field per knob of DESIGN §2–§3."""
+"""Learner configuration: one dataclass, one field per knob of docs/design.md §1–§2."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
 ``kernels/learner_step.cu``); it then adds the G per-block loss, Q and norm partials in
 block order.  Blocks hand each other partials as words tagged with the launch's epoch
 (``kernels/dueling_common.cuh``); the host numbers the launches.  The kernel also reports
-whether every input value was valid (DESIGN §6), so the host checks only dtypes and shapes.
+whether every input value was valid (docs/design.md §7), so the host checks only dtypes and shapes.
 :meth:`CudaBackend.upload` packs a batch into one of a few pinned slots and starts its
 copy on a second stream before the step's turn; the step then waits for that copy on the
 device instead of making it.  An upload's driver calls and a step's (wait, launch, copy

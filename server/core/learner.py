@@ -37,7 +37,7 @@ BACKENDS = ("auto", "cuda", "reference")
 
 @dataclass
 class StepResult:
-    """What a committed step returns (DESIGN §2 step 9).
+    """What a committed step returns (docs/design.md §1 step 9).
 
     Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 

@@ -1,4 +1,4 @@
-"""NumPy reference backend: the exact math of DESIGN §2–§3, top to bottom.
+"""NumPy reference backend: the exact math of docs/design.md §1–§2, top to bottom.
 
 It serves requests in float32 where no GPU is present and is the oracle the
 CUDA kernels are tested against (in float64, ``dtype=np.float64``).
@@ -74,7 +74,8 @@ def adam_moments(m: np.ndarray, v: np.ndarray, g: np.ndarray, beta1: float, beta
 
 def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerConfig,
                    dtype=np.float32) -> tuple[float, np.ndarray, np.ndarray, Params]:
-    """DESIGN §2 steps 1–5: (loss, δ [B], Q_θ(h_t)[a] [B], ∂L/∂θ) for θ, θ⁻ in ``dtype``."""
+    """docs/design.md §1 steps 1–5: (loss, δ [B], Q_θ(h_t)[a] [B], ∂L/∂θ) for θ, θ⁻ in
+    ``dtype``."""
     # Aligned (a copy of an array viewed at an odd offset of request bytes): NumPy's matmul
     # uses BLAS only on aligned arrays, so the bits do not depend on where the batch lay.
     cast = lambda a: np.require(a, dtype, "A")  # noqa: E731
@@ -114,7 +115,7 @@ def loss_and_grads(theta: Params, target: Params, batch: Batch, config: LearnerC
 
 def train_step(state: LearnerState, batch: Batch, config: LearnerConfig,
                dtype=np.float32) -> tuple[LearnerState, StepOutputs]:
-    """One learner step (DESIGN §2 steps 1–9); returns the new state and outputs.
+    """One learner step (docs/design.md §1 steps 1–9); returns the new state and outputs.
 
     Pure: ``state`` is not modified.  Every tensor is computed in ``dtype``.
     """
