@@ -44,7 +44,7 @@ def poison(backend, batch_size: int = 0) -> None:
     backend._outputs.reserve(2 * batch_size + 1 + 5 * backend.max_blocks)
     stale = np.uint64((((backend._epoch - 2) % 2**32) << 32) | 0x7FC00000)
     with backend.stream:
-        pending = backend._slots[1 - backend._cur]
+        pending = backend._states[1 - backend._cur]
         for a in (pending.params, pending.isv, backend._outputs.device, backend._grad,
                   backend._part_sq, backend._ent_out):
             a.fill(np.nan)
@@ -144,7 +144,7 @@ def assert_state(backend, ref: LearnerState, start: LearnerState) -> None:
                                  getattr(ref, group).arrays(), getattr(start, group).arrays()):
             assert_close(f"Δ{group}.{name}", g - s.astype(np.float64), r - s, 1e-3, 1e-3)
     assert_close("isv", got.isv, ref.isv, 1e-5, 1e-6)
-    raw_observed = backend._slots[backend._cur].observed.get()
+    raw_observed = backend._states[backend._cur].observed.get()
     assert set(np.unique(raw_observed)) <= {0, 1}, "observed flags not all written"
     np.testing.assert_array_equal(got.isv_observed, ref.isv_observed)
 
@@ -575,14 +575,14 @@ def test_16_bit_features_widened_on_the_device_match_float32(dtype, B, H):
     assert narrow.snapshot().checksum() == before
 
 
-def test_the_relay_keeps_no_more_jobs_than_there_are_upload_slots():
+def test_the_relay_keeps_no_more_jobs_than_there_are_upload_buffers():
     from duelq.server.core import cuda
     from duelq.server.fronts import relay
-    assert relay.AHEAD + 1 <= cuda.UPLOAD_SLOTS
+    assert relay.AHEAD + 1 <= cuda.UPLOAD_BUFFERS
 
 
 def test_uploaded_batches_step_exactly_like_staged_ones():
-    """Batches sent ahead with prepare() (more than there are upload slots, one never
+    """Batches sent ahead with prepare() (more than there are upload buffers, one never
     stepped) give bit for bit what the same batches give stepped one at a time."""
     config = LearnerConfig(hidden_dim=128, n_actions=11, step_entropy_slot=SLOT)
     rng = np.random.default_rng(12)
@@ -593,8 +593,8 @@ def test_uploaded_batches_step_exactly_like_staged_ones():
     want = [plain.step(b) for b in batches]
     ahead = Learner(config, backend=cuda_backend(config, start))
     prepared = [ahead.prepare(b) for b in batches]
-    assert sum(p.upload is not None for p in prepared) == 3  # the slots, then staged at step
-    with ahead.prepare(batches[0]):  # sent ahead and never stepped: its slot comes back
+    assert sum(p.upload is not None for p in prepared) == 3  # the buffers, then staged at step
+    with ahead.prepare(batches[0]):  # sent ahead and never stepped: its buffer comes back
         pass
     got = [ahead.step(p) for p in prepared]
     for g, w in zip(got, want):
@@ -642,11 +642,11 @@ def test_packed_batches_copied_from_pinned_memory_step_as_unpacked_ones(wire):
                 packed, _ = pack_request(data, region[offset:])
                 with direct.prepare_packed(packed) as prepared:
                     assert prepared.batch is packed and prepared.upload is not None
-                    prepared.upload.slot.copied.synchronize()
+                    prepared.upload.buffer.copied.synchronize()
                     host = _Staging()
                     words = host.pack(decoded)
                     assert words == packed.words
-                    device = prepared.upload.slot.staging.device[:words].get()
+                    device = prepared.upload.buffer.staging.device[:words].get()
                     assert device.tobytes() == host.host[:words].tobytes()
                     got = direct.step(prepared)
                 want = plain.step(decoded)
@@ -679,15 +679,15 @@ def relayed_learners(config: LearnerConfig, start: LearnerState, pool_bytes: int
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
 def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
-    """The front's packed requests (server/fronts/packing.py) on cuda: a slot's words go to
+    """The front's packed requests (server/fronts/packing.py) on cuda: a relay buffer's words go to
     the device as they are, bit for bit what the host packs (_Staging.pack).  Packed and
-    unpacked requests take turns in the upload slots (an unpacked one is packed into its
-    slot's pinned host buffer, a packed one copied from where it lies); packed requests
-    beyond the upload slots are staged at their step.  Every step is bit-identical to a
+    unpacked requests take turns in the upload buffers (an unpacked one is packed into its
+    upload buffer's pinned host memory, a packed one copied from where it lies); packed requests
+    beyond the upload buffers are staged at their step.  Every step is bit-identical to a
     learner fed the decoded batch, and a packed batch's bad value is found by the kernel
     and named by the host."""
     from duelq.client import encode_batch
-    from duelq.server.core.cuda import UPLOAD_SLOTS, _Staging
+    from duelq.server.core.cuda import UPLOAD_BUFFERS, _Staging
     from duelq.server.fronts.packing import Packer
     from duelq.server.framing import parse_train_request
     from duelq.server.service import decode_batch
@@ -712,7 +712,7 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
                                                               wanted.entropy), i
             assert got.td_errors.tobytes() == wanted.td_errors.tobytes(), i
 
-        # Each slot's turn: mixed kinds, then unpacked 64 rows, packed 3072 (the staging
+        # Each upload buffer's turn: mixed kinds, then unpacked 64 rows, packed 3072 (the staging
         # buffers grow and move) and 64 unpacked again, packed anew on the host.
         for i, (B, weights, packed) in enumerate([(1024, True, True), (1024, False, False),
                                                   (64, True, True)] * 3
@@ -727,20 +727,20 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
                 assert upload is not None
                 assert (type(job.prepared.batch) is PackedBatch) == packed
                 if packed:
-                    upload.slot.copied.synchronize()
+                    upload.buffer.copied.synchronize()
                     host = _Staging()
                     words = host.pack(decode_batch(parse_train_request(data),
                                                    keep_16bit=True))
-                    device = upload.slot.staging.device[:words].get()
+                    device = upload.buffer.staging.device[:words].get()
                     assert device.tobytes() == host.host[:words].tobytes(), i
                 got = relayed.step(job.prepared)
             same(got, want(data), i)
-        # More packed requests ahead than upload slots: the last is staged at its step.
+        # More packed requests ahead than upload buffers: the last is staged at its step.
         datas = [encode_batch(random_batch(rng, 512, config, start, True),
                               feature_dtype=wire).SerializeToString()
-                 for _ in range(UPLOAD_SLOTS + 1)]
+                 for _ in range(UPLOAD_BUFFERS + 1)]
         jobs = [prepare(i, data, True) for i, data in enumerate(datas)]
-        assert [job.prepared.upload is not None for job in jobs] == [True] * UPLOAD_SLOTS + [
+        assert [job.prepared.upload is not None for job in jobs] == [True] * UPLOAD_BUFFERS + [
             False]
         for i, (job, data) in enumerate(zip(jobs, datas)):
             with job:
@@ -757,11 +757,11 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-def test_an_upload_failing_part_way_gives_its_slot_back_whole(packed, monkeypatch):
-    """A request whose upload fails part way (the device out of memory as the slot's
-    staging buffer grows, for a larger request, unpacked or packed) gives its slot back fit
-    for use: every upload slot can still be taken at once, and the requests after it
-    (the failed slot's among them) step exactly as decoded ones."""
+def test_an_upload_failing_part_way_gives_its_buffer_back_whole(packed, monkeypatch):
+    """A request whose upload fails part way (the device out of memory as the buffer's
+    staging buffer grows, for a larger request, unpacked or packed) gives its buffer back fit
+    for use: every upload buffer can still be taken at once, and the requests after it
+    (the failed buffer's among them) step exactly as decoded ones."""
     from duelq.client import encode_batch
     from duelq.server.core import cuda
     from duelq.server.framing import parse_train_request
@@ -790,7 +790,7 @@ def test_an_upload_failing_part_way_gives_its_slot_back_whole(packed, monkeypatc
             got = relayed.step(job.prepared)
         same(got, plain.step(decode_batch(parse_train_request(data))))
     with relayed_learners(config, start, 4 << 20) as (plain, relayed, service, pool):
-        for _ in range(cuda.UPLOAD_SLOTS):   # every slot's buffers sized for 64 rows
+        for _ in range(cuda.UPLOAD_BUFFERS):   # every upload buffer sized for 64 rows
             step(64, False)
         bigger = encode_batch(random_batch(rng, 512, config, start, True)).SerializeToString()
         fail.append(True)
@@ -800,14 +800,14 @@ def test_an_upload_failing_part_way_gives_its_slot_back_whole(packed, monkeypatc
             else:
                 pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
                 service.relay_prepare(pool.data[1:1 + len(bigger)], False)
-        assert not fail   # the failure came from the slot's staging buffer
+        assert not fail   # the failure came from the buffer's staging buffer
         batches = [random_batch(rng, 64, config, start, True)
-                   for _ in range(cuda.UPLOAD_SLOTS)]
+                   for _ in range(cuda.UPLOAD_BUFFERS)]
         ahead = [relayed.prepare(b) for b in batches]
-        assert all(p.upload is not None for p in ahead)   # the failed slot came back
+        assert all(p.upload is not None for p in ahead)   # the failed buffer came back
         for p, b in zip(ahead, batches):
             same(relayed.step(p), plain.step(b))
-        for _ in range(2 * cuda.UPLOAD_SLOTS):   # the failed slot among them
+        for _ in range(2 * cuda.UPLOAD_BUFFERS):   # the failed buffer among them
             step(64, False)
         assert relayed.snapshot().checksum() == plain.snapshot().checksum()
 
@@ -815,7 +815,7 @@ def test_an_upload_failing_part_way_gives_its_slot_back_whole(packed, monkeypatc
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_a_step_waits_for_its_upload(packed):
     """The upload stream held back by a spinning kernel (≈ 0.1 s) while a request is
-    prepared (unpacked: packed into its slot's host buffer; packed: copied from a pinned
+    prepared (unpacked: packed into its upload buffer; packed: copied from a pinned
     pool as it lies): its copy has not finished when its step is enqueued, so a step that
     did not wait for it, or an upload that recorded no event, would read stale inputs.  The
     steps stay bit-identical to a learner fed the decoded batches."""
@@ -834,7 +834,7 @@ def test_a_step_waits_for_its_upload(packed):
     if packed:
         gated.backend.pin(pool)
     try:
-        for i in range(4):   # one more than there are upload slots
+        for i in range(4):   # one more than there are upload buffers
             data = encode_batch(random_batch(rng, 1024, config, start, True)
                                 ).SerializeToString()
             want = plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
@@ -844,7 +844,7 @@ def test_a_step_waits_for_its_upload(packed):
                 spin((1,), (1,), (np.int64(2 * 10**8),))
             prepared = gated.prepare_packed(batch) if packed else gated.prepare(batch)
             assert (type(prepared.batch) is PackedBatch) == packed
-            assert prepared.upload is not None and not prepared.upload.slot.copied.done
+            assert prepared.upload is not None and not prepared.upload.buffer.copied.done
             got = gated.step(prepared)
             assert (got.loss, got.grad_norm, got.entropy) == (want.loss, want.grad_norm,
                                                               want.entropy), i

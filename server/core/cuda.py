@@ -11,7 +11,7 @@ launch of ``learner_step`` and one D2H copy of the packed outputs (layouts in
 block order.  Blocks hand each other partials as words tagged with the launch's epoch
 (``kernels/dueling_common.cuh``); the host numbers the launches.  The kernel also reports
 whether every input value was valid (docs/design.md §7), so the host checks only dtypes and shapes.
-:meth:`CudaBackend.upload` packs a batch into one of a few pinned slots and starts its
+:meth:`CudaBackend.upload` packs a batch into one of a few pinned upload buffers and starts its
 copy on a second stream before the step's turn; the step then waits for that copy on the
 device instead of making it.  An upload's driver calls and a step's (wait, launch, copy
 back, sync, the block totals) are one C call each (server/core/native.c): a step from
@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 THREADS = 256             # threads per block of learner_step and q_values
 STATIC_SMEM_SLACK = 4096  # bytes of static shared memory besides the per-action counts
-UPLOAD_SLOTS = 3          # batches that may be on their way to the device at once
-UPLOAD_MAX_WORDS = 1 << 24  # larger batches are packed at their step (64 MiB a slot at most)
+UPLOAD_BUFFERS = 3          # batches that may be on their way to the device at once
+UPLOAD_MAX_WORDS = 1 << 24  # larger batches are packed at their step (64 MiB a buffer at most)
 #: Feature dtype → learner_step's -DFEATURES (the kernel widens 16-bit rows as it loads them).
 FEATURE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BFLOAT16: 2}
 
@@ -161,8 +161,8 @@ def _grown(words: int) -> int:
     return 1 << max(10, (words - 1).bit_length())
 
 
-class _Slot:
-    """A pinned staging buffer for uploads and the event of the slot's last copy."""
+class _UploadBuffer:
+    """A pinned staging buffer for uploads and the event of its last copy."""
 
     def __init__(self, stream: cp.cuda.Stream):
         self.staging = _Staging()
@@ -173,22 +173,22 @@ class _Slot:
 
 
 class _Uploaded(Upload):
-    """One batch in a slot, waiting for its step; closing returns the slot.  Closed unused,
+    """One batch in an upload buffer, waiting for its step; closing returns the buffer.  Closed unused,
     it first waits for its copy, which may still be reading the batch's host bytes."""
 
-    def __init__(self, slot: _Slot, free: "queue.SimpleQueue[_Slot]"):
-        self.slot: _Slot | None = slot
+    def __init__(self, buf: _UploadBuffer, free: "queue.SimpleQueue[_UploadBuffer]"):
+        self.buffer: _UploadBuffer | None = buf
         self.stepped = False   # a step waited for the copy
         self._free = free
 
     def close(self) -> None:
-        slot, self.slot = self.slot, None
-        if slot is not None:
+        buf, self.buffer = self.buffer, None
+        if buf is not None:
             try:
                 if not self.stepped:
-                    slot.copied.synchronize()
+                    buf.copied.synchronize()
             finally:
-                self._free.put(slot)
+                self._free.put(buf)
 
 
 class CudaBackend(Backend):
@@ -216,7 +216,7 @@ class CudaBackend(Backend):
         self._compile(row_tile, max_smem)
         self.stream = cp.cuda.Stream(non_blocking=True)
         with self.stream:
-            self._slots = [_State(cp.zeros((4, self.stride), np.float32),
+            self._states = [_State(cp.zeros((4, self.stride), np.float32),
                                   cp.zeros(S, np.float32), cp.zeros(S, np.int32))
                            for _ in range(2)]
             G, P = self.max_blocks, self.stride
@@ -233,9 +233,9 @@ class CudaBackend(Backend):
         self._upload_stream = cp.cuda.Stream(non_blocking=True)
         self._pinned: list[tuple[int, int]] = []   # page-locked host memory [lo, hi)
         self._native = load_native()
-        self._free_uploads: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
-        for _ in range(UPLOAD_SLOTS):
-            self._free_uploads.put(_Slot(self._upload_stream))
+        self._free_uploads: queue.SimpleQueue[_UploadBuffer] = queue.SimpleQueue()
+        for _ in range(UPLOAD_BUFFERS):
+            self._free_uploads.put(_UploadBuffer(self._upload_stream))
         self._shapes: dict[int, tuple[int, int, int]] = {}   # batch size → _shape's answer
         self._cur = 0
         self._pending = False
@@ -304,22 +304,22 @@ class CudaBackend(Backend):
         return self._step
 
     def load(self, state: LearnerState) -> None:
-        slot = self._slots[self._cur]
+        cur = self._states[self._cur]
         groups = (state.params, state.target, state.adam_m, state.adam_v)
         host = np.stack([pack_params(g.astype(np.float32), self.stride) for g in groups])
         with self.stream:
-            slot.params.set(host, stream=self.stream)
-            slot.isv.set(state.isv.astype(np.float32), stream=self.stream)
-            slot.observed.set(state.isv_observed.astype(np.int32), stream=self.stream)
+            cur.params.set(host, stream=self.stream)
+            cur.isv.set(state.isv.astype(np.float32), stream=self.stream)
+            cur.observed.set(state.isv_observed.astype(np.int32), stream=self.stream)
         self.stream.synchronize()
         self._step, self._pending = state.step, False
 
     def snapshot(self) -> LearnerState:
-        slot = self._slots[self._cur]
+        cur = self._states[self._cur]
         with self.stream:
-            params = slot.params.get(stream=self.stream)
-            isv = slot.isv.get(stream=self.stream)
-            observed = slot.observed.get(stream=self.stream)
+            params = cur.params.get(stream=self.stream)
+            isv = cur.isv.get(stream=self.stream)
+            observed = cur.observed.get(stream=self.stream)
         H, N = self.config.hidden_dim, self.config.n_actions
         theta, target, m, v = (unpack_params(row, H, N) for row in params)
         return LearnerState(params=theta, target=target, adam_m=m, adam_v=v, step=self._step,
@@ -327,14 +327,14 @@ class CudaBackend(Backend):
 
     def weights(self, target: bool = False) -> Params:
         with self.stream:
-            row = self._slots[self._cur].params[1 if target else 0].get(stream=self.stream)
+            row = self._states[self._cur].params[1 if target else 0].get(stream=self.stream)
         return unpack_params(row, self.config.hidden_dim, self.config.n_actions)
 
     def read_isv(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        slot = self._slots[self._cur]
+        cur = self._states[self._cur]
         with self.stream:
-            isv = slot.isv.get(stream=self.stream)
-            observed = slot.observed.get(stream=self.stream)
+            isv = cur.isv.get(stream=self.stream)
+            observed = cur.observed.get(stream=self.stream)
         return isv[indices], observed[indices].astype(bool)
 
     # ---- Act ----------------------------------------------------------------------
@@ -344,7 +344,7 @@ class CudaBackend(Backend):
             if self._act_out.size < B * N:
                 self._act_out = cp.empty(B * N, np.float32)
             h_dev = cp.asarray(np.ascontiguousarray(h, np.float32))
-            params = self._slots[self._cur].params[1 if target else 0]
+            params = self._states[self._cur].params[1 if target else 0]
             self._qv_fn(((B + self._qv_tile - 1) // self._qv_tile,), (THREADS,),
                         (params, h_dev, self._act_out, np.int32(B)), shared_mem=self._qv_smem)
             return self._act_out[:B * N].get(stream=self.stream).reshape(B, N)
@@ -400,26 +400,26 @@ class CudaBackend(Backend):
         if 2 * B * H + 5 * B > UPLOAD_MAX_WORDS:
             return None
         try:
-            slot = self._free_uploads.get_nowait()
+            buf = self._free_uploads.get_nowait()
         except queue.Empty:
             return None
         try:
             if type(batch) is PackedBatch:
-                self._copy(slot, batch.address, batch.words)
+                self._copy(buf, batch.address, batch.words)
             else:
-                slot.copied.synchronize()  # its previous copy out of the host buffer is done
-                words = slot.staging.pack(batch)
-                self._copy(slot, slot.staging.host_ptr, words)
+                buf.copied.synchronize()  # its previous copy out of the host buffer is done
+                words = buf.staging.pack(batch)
+                self._copy(buf, buf.staging.host_ptr, words)
         except BaseException:
-            self._free_uploads.put(slot)
+            self._free_uploads.put(buf)
             raise
-        return _Uploaded(slot, self._free_uploads)
+        return _Uploaded(buf, self._free_uploads)
 
-    def _copy(self, slot: _Slot, address: int, words: int) -> None:
-        """Copy ``words`` packed words from host ``address`` into the slot's device buffer
-        and record the slot's event after the copy."""
-        slot.staging.reserve_device(words)
-        status = self._native.copy(slot.call_address, slot.staging.device_ptr, address,
+    def _copy(self, buf: _UploadBuffer, address: int, words: int) -> None:
+        """Copy ``words`` packed words from host ``address`` into the buffer's device memory
+        and record the buffer's event after the copy."""
+        buf.staging.reserve_device(words)
+        status = self._native.copy(buf.call_address, buf.staging.device_ptr, address,
                                    4 * words)
         if status:
             driver.check_status(status)
@@ -428,7 +428,7 @@ class CudaBackend(Backend):
         """The launch arguments that change from step to step only through the current state
         copy ``cur``; :meth:`_fill_args` fills in the rest."""
         c = self.config
-        now, nxt = self._slots[cur], self._slots[1 - cur]
+        now, nxt = self._states[cur], self._states[1 - cur]
         return StepArgs(
             state=now.params.data.ptr, next=nxt.params.data.ptr,
             isv=now.isv.data.ptr, isv_next=nxt.isv.data.ptr,
@@ -504,17 +504,17 @@ class CudaBackend(Backend):
         G, R, tile = self._shape(B)
         words = 2 * B + 1 + 5 * G   # td_errors, priorities, entropy, [5, G] partials
         self._outputs.reserve(words)
-        slot = upload.slot if type(upload) is _Uploaded else None
+        buf = upload.buffer if type(upload) is _Uploaded else None
         reached = stepped = False   # the step's call (it syncs the stream even failing);
         try:                        # its success (it waited for the upload's copy)
-            if slot is None:
+            if buf is None:
                 self.stage(batch)
             self._fill_args(B, R, has_weights,
-                            self._inputs.device_ptr if slot is None else slot.staging.device_ptr)
+                            self._inputs.device_ptr if buf is None else buf.staging.device_ptr)
             kernel = self._steps[kind][tile]
             reached = True
-            totals = self._native_step(kernel, G, slot, B, words)
-            stepped = slot is not None
+            totals = self._native_step(kernel, G, buf, B, words)
+            stepped = buf is not None
         finally:
             if not reached:   # a staged copy may still read the caller's memory
                 self.stream.synchronize()
@@ -533,9 +533,9 @@ class CudaBackend(Backend):
             entropy=float(out[2 * B]) if self._entropy_slot >= 0 else None,
             inputs_valid=valid == G)
 
-    def _native_step(self, kernel: StepKernel, G: int, slot: _Slot | None, B: int,
+    def _native_step(self, kernel: StepKernel, G: int, buf: _UploadBuffer | None, B: int,
                      words: int) -> list[float]:
-        """Launch ``kernel`` on the arguments filled in (after ``slot``'s upload), download
+        """Launch ``kernel`` on the arguments filled in (after ``buf``'s upload), download
         its ``words`` of outputs and synchronize, in one call to server/core/native.c;
         returns the block totals: the per-block partials [5, G] (finite flag, slice norm,
         loss, Q sum, inputs valid) added in block order in float64, the norms squared first.
@@ -544,7 +544,7 @@ class CudaBackend(Backend):
         call, out = self._step_call, self._outputs
         call.fn, call.blocks, call.smem = kernel.ptr, G, kernel.smem
         call.params = self._arg_param_addresses[self._cur]
-        call.wait = slot.copied.ptr if slot is not None else None
+        call.wait = buf.copied.ptr if buf is not None else None
         call.out, call.out_device = out.host_ptr, out.device_ptr
         call.out_bytes, call.parts = 4 * words, out.host_ptr + 4 * (2 * B + 1)
         status = self._native.step(self._step_call_address)
@@ -575,7 +575,7 @@ class CudaBackend(Backend):
 
     def launch_entropy(self, actions: cp.ndarray, slot: int, alpha: float) -> None:
         """Enqueue the entropy kernel on device-resident ``actions`` [M] int32 (no sync)."""
-        cur = self._slots[self._cur]
+        cur = self._states[self._cur]
         m = actions.shape[0]
         G, P = self.entropy_grid(m)
         ptr = ctypes.c_void_p

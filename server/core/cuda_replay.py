@@ -227,10 +227,10 @@ class CudaReplay(ReplayBuffer):
         b._fill_args(B, R, True, self._gathered.data.ptr)
         b._launch(b._steps[self._kind][tile], G)
 
-    def _launch_commit(self, slot: int, G: int) -> None:
-        """replay_commit of the step just launched on G blocks, at ``slot`` of the run."""
+    def _launch_commit(self, index: int, G: int) -> None:
+        """replay_commit of the step just launched on G blocks, step ``index`` of the run."""
         b, config = self.backend, self.config
-        now, proposed = b._slots[b._cur], b._slots[1 - b._cur]
+        now, proposed = b._states[b._cur], b._states[1 - b._cur]
         args = CommitArgs(
             out=b._outputs.device_ptr, next=proposed.params.data.ptr, state=now.params.data.ptr,
             isv_next=proposed.isv.data.ptr, isv=now.isv.data.ptr,

@@ -474,8 +474,8 @@ Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
 Call = Callable[[int, bytes, RelayCall], tuple[grpc.StatusCode, bytes]]
 
 #: Requests prepared ahead of the one being stepped: its copy to the device then overlaps
-#: that step.  With the one stepping, within the CUDA backend's upload slots
-#: (cuda.UPLOAD_SLOTS), so no request's batch is packed at its step.
+#: that step.  With the one stepping, within the CUDA backend's upload buffers
+#: (cuda.UPLOAD_BUFFERS), so no request's batch is packed at its step.
 AHEAD = 1
 
 
