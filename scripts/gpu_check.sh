@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_check.sh — the one command for a GPU machine: the `gpu` tests, the device
-# benchmark, then the Docker image's server model end to end (`duelq bench
-# --front-processes $FRONTS`, B = 1024, 8 actors), then a short summary.
+# benchmarks (the step, the replay step), then the Docker image's server model end to
+# end (`duelq bench --front-processes $FRONTS`, B = 1024, 8 actors), then a summary.
 #
 #   [FRONTS=8] [BACKEND=cuda] [E2E=0: skip the end-to-end part] \
 #       scripts/gpu_check.sh [pytest…]
@@ -33,6 +33,8 @@ fi
 TESTS_RC=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/device_step.py 2>&1 | tee "$LOGS/device_step.log"
 BENCH_RC=${PIPESTATUS[0]}
+timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/replay_step.py 2>&1 | tee "$LOGS/replay_step.log"
+BENCH_RC=$(( BENCH_RC || PIPESTATUS[0] ))
 E2E_RC=0 FRONTS=${FRONTS:-8}
 if [ "${E2E:-1}" != 0 ]; then
     timeout 300 "$PY" -m duelq.apps.cli bench --backend "${BACKEND:-cuda}" \
@@ -47,6 +49,7 @@ echo "=============================== gpu-check summary ========================
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/device: /'
 echo "gpu tests (exit $TESTS_RC): $(tail -n 1 "$LOGS/gpu_tests.log")"
 sed -n '/^## duelq device benchmark/,$p' "$LOGS/device_step.log"
+sed -n '/^## replay step/,$p' "$LOGS/replay_step.log"
 echo "benchmark exit $BENCH_RC"
 if [ "${E2E:-1}" != 0 ]; then
     echo "end to end, $FRONTS fronts, B = 1024, 8 actors (bench exit $E2E_RC):"
