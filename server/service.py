@@ -484,9 +484,9 @@ class LearnerService(pb_grpc.LearnerServicer):
                     kind, item = inbox.get(timeout=self.limits.receive_timeout_s)
                 except queue.Empty:
                     raise StreamIdle(stream_idle(self.limits.receive_timeout_s)) from None
-                if kind is END:
+                if kind == END:
                     return
-                if kind is FAILED:
+                if kind == FAILED:
                     raise item
                 yield self._train(item, context)
                 reader.done()

@@ -448,7 +448,8 @@ class FrontServer:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         # Cancelled or past its deadline: END at once, so requests not started are not
         # applied (the one-process server's rule) and a wait for a free buffer ends.
-        context.add_callback(stream.close)
+        if not context.add_callback(stream.close):   # over already
+            stream.close()
         return stream
 
     def _train_step(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -458,7 +459,7 @@ class FrontServer:
             if why is not None:
                 self._not_sent(context, "TrainStep", why)
             kind, reply = stream.inbox.get()
-            if kind is CLOSED:   # the call ended meanwhile
+            if kind == CLOSED:   # the call ended meanwhile
                 context.abort(grpc.StatusCode.CANCELLED, "the call ended")
             return _reply_payload(context, *reply)
         finally:
@@ -494,20 +495,20 @@ class FrontServer:
                 kind, item = stream.inbox.get(timeout=timeout if answered == sent else None)
             except queue.Empty:
                 self._refuse(context, "TrainStream", StreamIdle(stream_idle(timeout)))
-            if kind is REPLY:
+            if kind == REPLY:
                 answered += 1
                 yield _reply_payload(context, *item)   # a refusal ends the stream here
                 reader.done()
-            elif kind is REQUEST and reading:
+            elif kind == REQUEST and reading:
                 unsent = stream.submit(item)
                 if unsent is None:
                     sent += 1
                 else:
                     reading = False
                     reader.close()
-            elif kind is END:
+            elif kind == END:
                 reading = False
-            elif kind is FAILED or kind is CLOSED:   # the call was cancelled or has ended
+            elif kind in (FAILED, CLOSED):   # the call was cancelled or has ended
                 return
         if unsent is not None:
             self._not_sent(context, "TrainStream", unsent)

@@ -11,11 +11,13 @@ no lock outlives its holder, and the first front clears the row of a front that 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
 import threading
 from pathlib import Path
+from typing import Iterator
 
 #: The counts, one column each: calls admitted (max_rpcs), TrainStreams open
 #: (max_streams), and calls with a request at the learner process (max_queue).
@@ -37,49 +39,52 @@ class SharedCounts:
         self._map = mmap.mmap(self._fd, size)
         self._cells = memoryview(self._map).cast("q")   # [fronts × columns]
         self._lock = threading.Lock()   # flock is per open file, shared by this process's threads
+        self._closed = False
 
     def tally(self, column: str, limit: int) -> "SharedTally":
         """The :class:`~duelq.server.gate.Tally` of ``column`` up to ``limit``."""
         return SharedTally(self, COLUMNS.index(column), limit)
 
-    def _change(self, column: int, by: int, limit: int | None) -> bool:
-        """Add ``by`` to this front's ``column``, unless the sum would pass ``limit``."""
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The counts to themselves: this process's threads, then the other fronts."""
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                width = len(COLUMNS)
-                if limit is not None and sum(self._cells[f * width + column]
-                                             for f in range(self._fronts)) + by > limit:
-                    return False
-                self._cells[self.index * width + column] += by
-                return True
+                yield
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _sum(self, column: int) -> int:
+        width = len(COLUMNS)
+        return sum(self._cells[f * width + column] for f in range(self._fronts))
+
+    def _change(self, column: int, by: int, limit: int | None) -> bool:
+        """Add ``by`` to this front's ``column``, unless the sum would pass ``limit`` (or the
+        counts are closed: the front has stopped)."""
+        with self._locked():
+            if self._closed or limit is not None and self._sum(column) + by > limit:
+                return False
+            self._cells[self.index * len(COLUMNS) + column] += by
+            return True
 
     def total(self, column: str) -> int:
         """The server-wide count of ``column``."""
-        at, width = COLUMNS.index(column), len(COLUMNS)
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                return sum(self._cells[f * width + at] for f in range(self._fronts))
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._locked():
+            return self._sum(COLUMNS.index(column))
 
     def clear(self, index: int) -> None:
         """Zero front ``index``'s row: it died, and its calls with it."""
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                for column in range(len(COLUMNS)):
-                    self._cells[index * len(COLUMNS) + column] = 0
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._locked():
+            for column in range(len(COLUMNS)):
+                self._cells[index * len(COLUMNS) + column] = 0
 
     def close(self) -> None:
-        self._cells.release()
-        self._map.close()
-        os.close(self._fd)
+        with self._lock:   # its file closes: no flock to give back after
+            self._closed = True
+            self._cells.release()
+            self._map.close()
+            os.close(self._fd)
 
 
 class SharedTally:

@@ -97,7 +97,10 @@ class LearnerServicer:
         streams' requests. A request that fails ends the stream with its status:
         every response received before it belongs to an applied request, it and
         the requests after it were not applied. Over max_streams open streams:
-        RESOURCE_EXHAUSTED.
+        RESOURCE_EXHAUSTED at open. A stream whose responses are not read stops
+        being read after a few requests (HTTP/2 flow control then stops the
+        client); one with no request in flight that sends none for the server's
+        receive timeout ends UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
