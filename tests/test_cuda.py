@@ -593,13 +593,13 @@ def test_uploaded_batches_step_exactly_like_staged_ones():
     assert sum(ahead.prepare(b).upload is not None for b in batches[:3]) == 3  # all came back
 
 
-def pack_request(data: bytes, slot: np.ndarray, packer=None) -> tuple[PackedBatch, bytes]:
-    """(the packed batch, its key's bytes) of request ``data`` written into ``slot`` (uint8)
-    by the front's Packer and read back as the learner reads a PACKED frame."""
+def pack_request(data: bytes, buffer: np.ndarray, packer=None) -> tuple[PackedBatch, bytes]:
+    """(the packed batch, its key's bytes) of request ``data`` written into ``buffer``
+    (uint8) by the front's Packer and read back as the learner reads a PACKED frame."""
     from duelq.server.fronts.packing import Packer, read_packed
-    descriptor = (packer if packer is not None else Packer()).pack(data, slot)
+    descriptor = (packer if packer is not None else Packer()).pack(data, buffer)
     assert descriptor is not None
-    return read_packed(descriptor, slot.data, slot.ctypes.data)
+    return read_packed(descriptor, buffer.data, buffer.ctypes.data)
 
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
@@ -668,7 +668,7 @@ def relayed_learners(config: LearnerConfig, start: LearnerState, pool_bytes: int
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
 def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
-    """The front's packed requests (server/fronts/packing.py) on cuda: a slot's words go to
+    """The front's packed requests (server/fronts/packing.py) on cuda: a buffer's words go to
     the device as they are, bit for bit what the host packs (_Staging.pack).  Packed and
     unpacked requests take turns in the upload slots (an unpacked one is packed into its
     slot's pinned host buffer, a packed one copied from where it lies); packed requests
