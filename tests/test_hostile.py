@@ -68,8 +68,9 @@ def steps(server) -> int:
 
 
 @contextlib.contextmanager
-def learner_held(server):
-    """The learner busy with one step (which holds an rpc place) until the block ends."""
+def learner_held(server, *, applied: bool = True):
+    """The learner busy with one step (which holds an rpc place) until the block ends;
+    ``applied``: check that the step is applied then (else only that it is answered)."""
     channel = grpc.insecure_channel(server.target)
     stub = pb_grpc.LearnerStub(channel)
     try:
@@ -90,7 +91,10 @@ def learner_held(server):
                 yield
             finally:
                 gate.opened.set()
-        assert held.result(timeout=30).step >= 1
+        if applied:
+            assert held.result(timeout=30).step >= 1
+        else:
+            held.exception(timeout=30)
     finally:
         channel.close()
 

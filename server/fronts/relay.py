@@ -609,7 +609,7 @@ class RelayLearner:
             self._loop()
         except Exception:  # noqa: BLE001 — logged; the relay ends and answers what it holds
             log.exception("the relay failed: refusing every stream")
-            self._stopping()
+            self._refuse_open_streams()
             for item in (*self._prepared, *self._received):
                 self._answer(item)
             self._answer_calls()
@@ -691,12 +691,12 @@ class RelayLearner:
                 self._ended(stream)
         if front.index == 0:
             self._closing = True
-            self._stopping()
+            self._refuse_open_streams()
             for other in [f for f in self._polled.values() if f is not None]:
                 self._unwatch(other)
             self.closed.set()
 
-    def _stopping(self) -> None:
+    def _refuse_open_streams(self) -> None:
         """The learner process is stopping (or the relay failed): every stream still open
         is refused from now on, UNAVAILABLE, so a live client retries its keys (elsewhere,
         or once the server is back); none is answered CANCELLED, which would tell it that
