@@ -895,6 +895,45 @@ def test_a_second_front_gone_ends_its_streams_only():
         learner.close()
 
 
+def test_when_the_first_front_closes_another_fronts_requests_are_answered_unavailable():
+    """The first front's connection closing is the learner process stopping: a request of
+    another front that has not started is answered UNAVAILABLE (its client retries the
+    key), never CANCELLED (which would tell that client its own call had ended)."""
+    held, go = threading.Event(), threading.Event()
+
+    def apply(job, call):
+        if job.name == "first":
+            held.set()
+            while not go.wait(0.005):
+                call.is_active()   # reads the frames that come meanwhile
+        return job.name.encode()
+    service = RelayWork(lambda data, unary: types.SimpleNamespace(name=bytes(data).decode(),
+                                                                  close=lambda: None), apply)
+    learner, first = _started_relay(service)
+    second_end, second_front_end = socket.socketpair()
+    pool = BufferPool(4, 64)
+    learner.attach(second_end, pool)
+    second = RelayFront(second_front_end, pool)
+    try:
+        assert first.open(unary=True, deadline=None).submit(b"first") is None
+        assert held.wait(10)
+        other = second.open(unary=False, deadline=None)
+        assert other.submit(b"other") is None
+        deadline = time.monotonic() + 10
+        while service.depth < 2:   # received while "first" steps
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        first.close()
+        go.set()
+        assert replies(other, 1) == [(grpc.StatusCode.UNAVAILABLE,
+                                      b"the learner process is stopping; retry with the "
+                                      b"same key")]
+    finally:
+        go.set()
+        second.close()
+        learner.close()
+
+
 @pytest.mark.parametrize("cpu_max, cap", [("max 100000\n", None), ("200000 100000\n", 2),
                                           ("150000 100000\n", 2), ("50000 100000\n", 1),
                                           ("garbage\n", None), (None, None)])
