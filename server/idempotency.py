@@ -1,15 +1,21 @@
 """Idempotency keys: which (actor_id, seq) were applied, and their responses.
 
-Memory is bounded three ways:
+Memory is bounded three ways, and past each bound the server refuses rather than
+apply a key twice:
 
 * per actor, the highest seq applied and a bitmap of the ``window`` sequence
   numbers below it (an anti-replay window, as in IPsec); a seq older than the
-  window cannot be told apart from an applied one and is refused;
+  window cannot be told apart from an applied one and is refused (ALREADY_EXISTS);
 * responses sit in an LRU cache of ``capacity`` entries; each actor's latest
   response is kept outside it, so a client resending its last request after a
-  dropped connection always gets its result back;
-* at most ``max_actors`` actors are tracked; the least recently seen one is
-  forgotten first (a retry from a forgotten actor would be applied again).
+  dropped connection always gets its result back; a resent key whose response
+  is gone is refused (ALREADY_EXISTS);
+* at most ``max_actors`` actors are tracked.  A new actor past that takes the
+  place of the least recently seen one only if that one has sent nothing for
+  ``idle_s`` seconds; otherwise the new actor's request is refused
+  (RESOURCE_EXHAUSTED) and nothing is applied.  This is the one exception to
+  exactly-once: a retry from an actor forgotten so (idle ``idle_s``, then more
+  than ``max_actors`` others seen) would be applied again.
 
 Not thread-safe: the service calls it under the lock that applies steps.
 
@@ -27,13 +33,14 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from google.protobuf.message import DecodeError
 
-from duelq.server.core.errors import InvalidArgument, LearnerError
+from duelq.server.core.errors import InvalidArgument, LearnerError, ResourceExhausted
 
 MAX_ACTOR_ID_BYTES = 128
 _MAGIC = b"DQR2"
@@ -49,6 +56,7 @@ class _Actor:
     high: int = 0        # highest seq applied
     seen: int = 0        # bit i set ⇔ seq high − i applied, i < window
     latest: Any = None   # response of seq ``high``
+    last: float = 0.0    # when it last sent a key (time.time(): it outlives restarts)
 
 
 def _of_kind(response: Any, kind: type) -> bool:
@@ -67,11 +75,13 @@ def _name(response: Any) -> str:
 class ReplayGuard:
     """Applied keys and recorded responses, in bounded memory."""
 
-    def __init__(self, *, capacity: int = 1024, window: int = 1024, max_actors: int = 4096):
-        if capacity < 0 or window < 1 or max_actors < 1:
-            raise InvalidArgument("replay_cache", "capacity must be ≥ 0, window and "
-                                  "max_actors ≥ 1")
+    def __init__(self, *, capacity: int = 1024, window: int = 1024, max_actors: int = 4096,
+                 idle_s: float = 3600.0, clock: Callable[[], float] = time.time):
+        if capacity < 0 or window < 1 or max_actors < 1 or idle_s < 0:
+            raise InvalidArgument("replay_cache", "capacity and idle_s must be ≥ 0, window "
+                                  "and max_actors ≥ 1")
         self.capacity, self.window, self.max_actors = capacity, window, max_actors
+        self.idle_s, self._clock = idle_s, clock
         self._actors: OrderedDict[str, _Actor] = OrderedDict()
         self._responses: OrderedDict[tuple[str, int], Any] = OrderedDict()
 
@@ -93,12 +103,18 @@ class ReplayGuard:
 
         Raises AlreadyApplied when the key was applied (or is too old to tell)
         but its response is gone, InvalidArgument when the key was used by a
-        request of another kind.
+        request of another kind, ResourceExhausted when the key's actor is new
+        and there is no room to track it (:meth:`record` would have to forget
+        an actor that is not idle).
         """
         actor = self._actors.get(actor_id)
-        if actor is None or seq > actor.high:
+        if actor is None:
+            self._make_room()
             return None
         self._actors.move_to_end(actor_id)
+        actor.last = self._clock()
+        if seq > actor.high:
+            return None
         age = actor.high - seq
         if age >= self.window:
             raise AlreadyApplied(f"key {actor_id}/{seq} is older than the last {self.window} "
@@ -117,14 +133,29 @@ class ReplayGuard:
             self._responses.move_to_end((actor_id, seq))
         return response
 
+    def _make_room(self) -> None:
+        """Make room for one more actor: forget the least recently seen if ``max_actors``
+        are tracked and it has been idle ``idle_s``; ResourceExhausted if it has not."""
+        while len(self._actors) >= self.max_actors:
+            oldest_id, oldest = next(iter(self._actors.items()))
+            idle = self._clock() - oldest.last
+            if idle < self.idle_s:
+                raise ResourceExhausted(
+                    f"{len(self._actors)} actors' keys are tracked (max_actors "
+                    f"{self.max_actors}) and the least recently seen sent one {idle:.0f} s "
+                    f"ago, under actor_idle_s {self.idle_s:g}: a new actor_id is refused "
+                    f"rather than forget keys that may still be retried; reuse an actor_id "
+                    f"or retry later")
+            self._forget(oldest_id)
+
     def record(self, actor_id: str, seq: int, response: Any) -> None:
-        """Mark a key applied and keep its response."""
+        """Mark a key applied and keep its response (after a :meth:`lookup` of it)."""
         actor = self._actors.get(actor_id)
         if actor is None:
+            self._make_room()
             actor = self._actors[actor_id] = _Actor()
-            if len(self._actors) > self.max_actors:
-                self._forget(next(iter(self._actors)))
         self._actors.move_to_end(actor_id)
+        actor.last = self._clock()
         if seq > actor.high:
             if actor.latest is not None:
                 self._keep((actor_id, actor.high), actor.latest)
@@ -139,7 +170,7 @@ class ReplayGuard:
     def copy(self) -> "ReplayGuard":
         """A copy that shares the recorded responses (never mutated once recorded)."""
         other = ReplayGuard(capacity=self.capacity, window=self.window,
-                            max_actors=self.max_actors)
+                            max_actors=self.max_actors, idle_s=self.idle_s, clock=self._clock)
         other._actors = OrderedDict((a, replace(rec)) for a, rec in self._actors.items())
         other._responses = OrderedDict(self._responses)
         return other
@@ -159,7 +190,7 @@ class ReplayGuard:
 
         index = json.dumps({
             "format": 2, "window": self.window,
-            "actors": [[a, rec.high, format(rec.seen, "x"), ref(rec.latest)]
+            "actors": [[a, rec.high, format(rec.seen, "x"), ref(rec.latest), rec.last]
                        for a, rec in self._actors.items()],
             "responses": [[a, seq, ref(r)] for (a, seq), r in self._responses.items()],
             "blobs": kinds,
@@ -168,28 +199,31 @@ class ReplayGuard:
 
     @classmethod
     def from_bytes(cls, data: bytes, kinds: Mapping[str, type], *, capacity: int = 1024,
-                   max_actors: int = 4096) -> "ReplayGuard":
+                   max_actors: int = 4096, idle_s: float = 3600.0,
+                   clock: Callable[[], float] = time.time) -> "ReplayGuard":
         """Records written by :meth:`to_bytes` (format 2, or format 1 from earlier
         versions); ``kinds`` maps message names to classes.
 
         The stored window is kept (a wider one would forget applied keys); the
-        response cache is trimmed to ``capacity``.  Raises ValueError when
-        ``data`` is malformed.
+        response cache is trimmed to ``capacity``; every actor is kept, even past
+        ``max_actors`` (new ones are then refused until old ones are idle).  An
+        actor stored without the time it was last seen (earlier versions) counts
+        as seen now.  Raises ValueError when ``data`` is malformed.
         """
         try:
             doc, message = cls._parse(bytes(data), kinds)
-            guard = cls(capacity=capacity, window=int(doc["window"]), max_actors=max_actors)
-            for actor_id, high, seen, latest in doc["actors"]:
+            guard = cls(capacity=capacity, window=int(doc["window"]), max_actors=max_actors,
+                        idle_s=idle_s, clock=clock)
+            now = clock()
+            for actor_id, high, seen, latest, *last in doc["actors"]:
                 if not isinstance(actor_id, str) or not isinstance(high, int) or high < 0:
                     raise ValueError(f"bad actor record {actor_id!r}/{high!r}")
                 guard._actors[actor_id] = _Actor(high, int(seen, 16) & ((1 << guard.window) - 1),
-                                                 message(latest))
+                                                 message(latest), float(last[0]) if last else now)
             for actor_id, seq, response in doc["responses"]:
                 guard._keep((str(actor_id), int(seq)), message(response))
         except (KeyError, IndexError, TypeError, ValueError, DecodeError, struct.error) as exc:
             raise ValueError(f"malformed idempotency records: {exc!r}") from exc
-        while len(guard._actors) > guard.max_actors:
-            guard._forget(next(iter(guard._actors)))
         return guard
 
     @staticmethod

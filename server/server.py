@@ -1,19 +1,21 @@
 """The gRPC server around a learner: limits, health, reflection, auth, TLS, shutdown.
 
 Threading model: grpcio's synchronous server with one worker thread per
-running rpc (``max_rpcs`` threads; a TrainStream holds its thread while
-open).  grpc itself answers RESOURCE_EXHAUSTED past ``max_rpcs`` concurrent
-rpcs and for messages over ``max_message_bytes``; the service refuses
-TrainStreams past ``max_streams``.  Steps from all threads serialise on the
+running rpc (a TrainStream holds its thread while open).  The :class:`Gate`
+(server/gate.py) admits at most ``max_rpcs`` calls at once, refuses calls
+without the token before they hold anything, and bounds how long a call may
+wait for its requests; grpc answers RESOURCE_EXHAUSTED for messages over
+``max_message_bytes``; the service refuses TrainStreams past ``max_streams``
+and requests past ``max_queue``.  Steps from all threads serialise on the
 service's apply lock.
 
 Lifecycle: :meth:`LearnerServer.start` binds and serves health (NOT_SERVING)
 and reflection at once; :meth:`LearnerServer.serve_learner` builds the learner
 (resumed from the newest checkpoint in ``checkpoint_dir``, if any) and
 :meth:`LearnerServer.attach` hands it over and flips health to SERVING;
-:meth:`LearnerServer.stop` flips it to NOT_SERVING, refuses new state changes
-(UNAVAILABLE: clients retry with the same key), waits for the admitted ones,
-writes a final checkpoint, then stops gRPC, giving running rpcs ``grace_s``.
+:meth:`LearnerServer.stop` flips it to NOT_SERVING and takes no new calls (running
+rpcs get ``grace_s``), refuses new state changes (UNAVAILABLE: clients retry with
+the same key), waits for the admitted ones and writes a final checkpoint.
 
 Request bytes that do not parse as the rpc's message get INVALID_ARGUMENT
 (grpc's own answer would be INTERNAL); only our protobuf messages are ever
@@ -22,7 +24,6 @@ deserialised.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from concurrent import futures
 from dataclasses import dataclass
@@ -38,7 +39,6 @@ from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter, read_latest
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument
-from duelq.server.idempotency import ReplayGuard
 from duelq.server.core.learner import Learner, make_backend
 from duelq.server.metrics import Metrics
 from duelq.server.core.replay import ReplayState
@@ -47,13 +47,16 @@ from duelq.server.replay_loop import ReplayLoop
 from duelq.server.service import REPLAY_BUFFER_EXTRA, REPLAY_KINDS, LearnerService, Limits
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import train_request_deserializer, undecodable
+from duelq.server.gate import Count, Gate, Tally, same_shape, worker_count
+from duelq.server.idempotency import ReplayGuard
+from duelq.server.metrics import Metrics
+from duelq.server.service import REPLAY_KINDS, LearnerService, Limits
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Learner"].full_name  # "duelq.v1.Learner"
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-
-
+#: Methods that time their own reads (an idle stream ends UNAVAILABLE; see gate.py).
+SELF_TIMED = (f"/{SERVICE_NAME}/TrainStream",)
 
 
 @dataclass(frozen=True)
@@ -69,15 +72,26 @@ class ServerOptions:
     max_batch_size: int = 16384
     """Largest B of a train or act request, M of an entropy request."""
     max_streams: int = 32
-    """TrainStreams and InsertStreams open at once."""
+    """TrainStreams and InsertStreams open at once, server-wide; past it RESOURCE_EXHAUSTED at
+    open."""
     max_rpcs: int = 64
-    """Rpcs (streams included) running at once; also the worker thread count."""
+    """Rpcs (streams included, health checks not) running at once, server-wide; past it
+    RESOURCE_EXHAUSTED."""
     replay_cache: int = 1024
-    """Recorded responses kept for idempotent retries (besides each actor's latest)."""
+    """Recorded responses kept for idempotent retries (besides each actor's latest); a retry
+    whose response is gone gets ALREADY_EXISTS."""
     max_actors: int = 4096
-    """Actors whose idempotency keys are tracked; the least recently seen is forgotten."""
+    """Actors whose idempotency keys are tracked; past it a new actor is refused
+    (RESOURCE_EXHAUSTED) unless the least recently seen has been idle actor_idle_s."""
+    actor_idle_s: float = 3600.0
+    """Seconds an actor must have sent nothing before its keys may be forgotten to make
+    room for a new actor (a retry of one of its keys after that would be applied again)."""
     max_queue: int = 64
-    """Requests waiting for the learner at once; past it RESOURCE_EXHAUSTED."""
+    """Rpcs waiting for the learner at once, server-wide (a TrainStream counts once); past
+    it RESOURCE_EXHAUSTED."""
+    receive_timeout_s: float = 30.0
+    """Seconds a call may take to send a request the server waits for: past it a unary
+    call is cancelled, a TrainStream with no request in flight ends UNAVAILABLE."""
     token: str = ""
     """If set, every rpc but health (reflection too) needs metadata ``authorization: Bearer
     <token>``."""
@@ -124,6 +138,8 @@ class ServerOptions:
              f"must exceed max_streams={self.max_streams}, leaving room for unary rpcs")
         need(self.replay_cache >= 0, "replay_cache", "must be ≥ 0")
         need(self.max_actors >= 1, "max_actors", "must be ≥ 1")
+        need(self.actor_idle_s >= 0, "actor_idle_s", "must be ≥ 0")
+        need(self.receive_timeout_s > 0, "receive_timeout_s", "must be > 0")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_key",
              "tls_cert and tls_key go together")
         need(not self.tls_client_ca or bool(self.tls_cert), "tls_client_ca",
@@ -185,7 +201,7 @@ class DecodeGuard(grpc.ServerInterceptor):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"request: {request.problem}")
                 return inner(request, context)
-        return _same_shape(handler, behaviour, deserialize)
+        return same_shape(handler, behaviour, deserialize)
 
 
 class _Undecodable:
@@ -193,53 +209,6 @@ class _Undecodable:
 
     def __init__(self, problem: str):
         self.problem = problem
-
-
-class BearerAuth(grpc.ServerInterceptor):
-    """Refuses rpcs (health excepted, reflection not) without the right bearer token:
-    ``authorization: Bearer <token>``, the scheme in any case (RFC 7235), the token
-    compared in constant time."""
-
-    def __init__(self, token: str, on_deny: Callable[[str], None] | None = None):
-        self._expected = token.encode()
-        self._on_deny = on_deny   # told the method path of each refusal, to count it
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
-        if self.admits(dict(details.invocation_metadata).get("authorization", "")):
-            return handler
-        return self._deny(handler, details.method)
-
-    def admits(self, value: str | bytes) -> bool:
-        """Whether an authorization header's ``value`` carries the token."""
-        value = value.decode(errors="replace") if isinstance(value, bytes) else value
-        scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode(),
-                                                                 self._expected)
-
-    def _deny(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED, the
-        request unread (raw bytes: nothing of it is parsed)."""
-        def deny(request, context):
-            if self._on_deny is not None:
-                self._on_deny(method)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        return _same_shape(handler, deny, None)
-
-
-def _same_shape(handler: grpc.RpcMethodHandler, behaviour,
-                request_deserializer) -> grpc.RpcMethodHandler:
-    """A handler with ``handler``'s streaming shape and serializer, running ``behaviour``."""
-    make = {(False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[handler.request_streaming, handler.response_streaming](
-        behaviour, request_deserializer=request_deserializer,
-        response_serializer=handler.response_serializer)
 
 
 #: Methods whose requests :func:`train_request_deserializer` parses (zero-copy tensors).
@@ -266,7 +235,7 @@ def add_learner_servicer(servicer, server: grpc.Server) -> None:
     pb_grpc.add_LearnerServicer_to_server(servicer, recorder)
     (service, handlers), = recorder.handlers.items()
     for name in ZERO_COPY_METHODS:
-        handlers[name] = _same_shape(handlers[name], handlers[name].stream_stream
+        handlers[name] = same_shape(handlers[name], handlers[name].stream_stream
                                      or handlers[name].unary_unary, train_request_deserializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
@@ -277,12 +246,23 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def auth_interceptors(options: ServerOptions, on_deny: Callable[[str], None] | None = None
-                      ) -> tuple[grpc.ServerInterceptor, ...]:
-    """The bearer-token check, when ``options`` asks for one (``on_deny``: told of each
-    refusal, where no metrics interceptor counts them)."""
-    token = options.bearer_token()
-    return (BearerAuth(token, on_deny),) if token else ()
+def learner_method(path: str) -> str | None:
+    """The Learner rpc's name of a method path ("/duelq.v1.Learner/Act" → "Act"), else None
+    (health, reflection)."""
+    service, _, name = path.rpartition("/")
+    return name if service == f"/{SERVICE_NAME}" else None
+
+
+def make_gate(options: ServerOptions, rpcs: Tally,
+              on_refuse: Callable[[str, str], None] | None = None) -> Gate:
+    """The :class:`Gate` of ``options`` (token, receive deadline) over ``rpcs``;
+    ``on_refuse``: told (rpc name, code name) of each refusal of a Learner rpc."""
+    def refused(path: str, code: grpc.StatusCode) -> None:
+        name = learner_method(path)
+        if name is not None and on_refuse is not None:
+            on_refuse(name, code.name)
+    return Gate(rpcs, options.receive_timeout_s, token=options.bearer_token(),
+                on_refuse=refused, self_timed=SELF_TIMED)
 
 
 def server_args(options: ServerOptions, *, share_port: bool = False) -> list[tuple[str, int]]:
@@ -295,11 +275,12 @@ def server_args(options: ServerOptions, *, share_port: bool = False) -> list[tup
 
 def grpc_server(options: ServerOptions, interceptors: tuple, *,
                 share_port: bool = False) -> grpc.Server:
-    """grpc's sync server with ``options``' thread and message-size limits."""
+    """grpc's sync server with ``options``' message-size limits and workers for
+    ``max_rpcs`` admitted calls (the first interceptor, a :class:`Gate`, admits them)."""
     return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=options.max_rpcs, thread_name_prefix="duelq-rpc"),
-        interceptors=interceptors, options=server_args(options, share_port=share_port),
-        maximum_concurrent_rpcs=options.max_rpcs)
+        futures.ThreadPoolExecutor(max_workers=worker_count(options.max_rpcs),
+                                   thread_name_prefix="duelq-rpc"),
+        interceptors=interceptors, options=server_args(options, share_port=share_port))
 
 
 def add_health_and_reflection(server: grpc.Server) -> health.HealthServicer:
@@ -340,6 +321,16 @@ def bind(server: grpc.Server, options: ServerOptions, address: str = "") -> int:
     return port
 
 
+def replay_guard(options: ServerOptions, records: bytes | None = None) -> ReplayGuard:
+    """The idempotency records of ``options``' bounds: empty, or read from ``records`` (a
+    checkpoint's; ValueError when malformed)."""
+    bounds = dict(capacity=options.replay_cache, max_actors=options.max_actors,
+                  idle_s=options.actor_idle_s)
+    if records is None:
+        return ReplayGuard(**bounds)
+    return ReplayGuard.from_bytes(records, REPLAY_KINDS, **bounds)
+
+
 def local_target(host: str, port: int | None) -> str:
     """host:port a client on this machine can dial for a server bound to ``host``."""
     host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}.get(host, host)
@@ -354,15 +345,17 @@ class LearnerServer:
         self.options = options
         self.service = LearnerService(
             Limits(options.max_message_bytes, options.max_batch_size, options.max_streams,
-                   options.max_queue),
-            replay=ReplayGuard(capacity=options.replay_cache, max_actors=options.max_actors))
-        auth = auth_interceptors(options)
-        # Outermost, so refusals by the auth interceptor are counted too.
+                   options.max_queue, options.receive_timeout_s),
+            replay=replay_guard(options))
         self.metrics = Metrics(lambda: self.service._learner) if options.metrics_port else None
+        inner: tuple[grpc.ServerInterceptor, ...] = (DecodeGuard(),) + tuple(interceptors)
+        on_refuse = None
         if self.metrics is not None:
-            auth = (self.metrics.interceptor,) + auth
+            inner = (self.metrics.interceptor,) + inner
             self.metrics.checkpoint_dir = options.checkpoint_dir
-        self._server = grpc_server(options, auth + (DecodeGuard(),) + tuple(interceptors))
+            on_refuse = self.metrics.count_refusal
+        self.gate = make_gate(options, Count(options.max_rpcs), on_refuse)
+        self._server = grpc_server(options, (self.gate,) + inner)
         add_learner_servicer(self.service, self._server)
         self.health = add_health_and_reflection(self._server)
         self.port: int | None = None
@@ -414,9 +407,7 @@ class LearnerServer:
                 state = found.state
                 if "replay" in found.extras:
                     try:
-                        replay = ReplayGuard.from_bytes(found.extras["replay"], REPLAY_KINDS,
-                                                        capacity=self.options.replay_cache,
-                                                        max_actors=self.options.max_actors)
+                        replay = replay_guard(self.options, found.extras["replay"])
                     except ValueError as exc:
                         raise CheckpointError(found.path, str(exc)) from exc
                 else:
@@ -452,14 +443,20 @@ class LearnerServer:
 
     def stop(self, grace_s: float | None = None, *,
              final_checkpoint: bool = True) -> tuple[Path, int] | None:
-        """NOT_SERVING, drain state changes, final checkpoint (unless ``final_checkpoint`` is
-        False), stop gRPC after ``grace_s``.
+        """NOT_SERVING and no new calls (running ones get ``grace_s``), drain state
+        changes, final checkpoint (unless ``final_checkpoint`` is False).
+
+        New calls are turned away before the drain, not after it: clients that the drain
+        answers UNAVAILABLE retry at once, and a call of theirs that reached gRPC just as
+        it shut down would be cancelled (CANCELLED, which no client retries) rather than
+        find the port closed (UNAVAILABLE).
 
         Returns the final checkpoint's (path, step), or None without one.
         Raises :class:`CheckpointError` if it cannot be written (gRPC still stops).
         """
         self.health.enter_graceful_shutdown()
         grace = self.options.grace_s if grace_s is None else grace_s
+        stopped = self._server.stop(grace)
         saved = None
         try:
             if self.replay_loop is not None:
@@ -469,7 +466,8 @@ class LearnerServer:
                 if self.service.checkpoints is not None:
                     saved = self.service.checkpoints.close(final=final_checkpoint)
         finally:
-            self._server.stop(grace).wait()
+            stopped.wait()
+            self.gate.close()
             if self.metrics is not None:
                 self.metrics.close()
             log.info("stopped")

@@ -11,6 +11,9 @@ version, run under one lock (a train request is decoded, checked and sent on its
 to the device before it queues for that lock), so keys are checked and recorded atomically with
 the step they guard and steps apply one at a time in arrival order.  At most
 ``max_queue`` requests wait for that lock (RESOURCE_EXHAUSTED past it).  A
+TrainStream reads its requests on a thread of its own (:class:`StreamReader`), one
+at a time, so a client that does not read its answers stops being read; one that
+sends no request for ``receive_timeout_s`` is ended UNAVAILABLE.  A
 request whose deadline passes, or whose client goes away, while it waits is
 answered DEADLINE_EXCEEDED and not applied; one that has started is applied
 and recorded under its key.  A checkpoint snapshot (state and idempotency
@@ -26,6 +29,7 @@ import functools
 import inspect
 import json
 import logging
+import queue
 import secrets
 import struct
 import threading
@@ -44,8 +48,9 @@ from duelq.server.core.errors import (InvalidArgument, LearnerError, NonFiniteSt
 from duelq.server.core.learner import Learner, Prepared, StepResult
 from duelq.server.core.replay import ReplayRun
 from duelq.server.core.state import LearnerState
-from duelq.server.idempotency import AlreadyApplied, ReplayGuard
 from duelq.server.framing import train_request_deserializer, undecodable
+from duelq.server.gate import END, FAILED, StreamReader
+from duelq.server.idempotency import AlreadyApplied, ReplayGuard
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.wire.tensors import TensorError, decode, encode, float16_to_float32, tensor_head, varint
@@ -87,12 +92,16 @@ class Expired(LearnerError):
     """The call's deadline passed (or its client left) before the request was applied."""
 
 
+class StreamIdle(LearnerError):
+    """A TrainStream sent no request for ``receive_timeout_s`` while none was in flight."""
+
+
 _STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
     ((InvalidArgument, TensorError), grpc.StatusCode.INVALID_ARGUMENT),
     ((ResourceExhausted,), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((NonFiniteStep, CheckpointsOff, ReplayNotReady), grpc.StatusCode.FAILED_PRECONDITION),
     ((AlreadyApplied,), grpc.StatusCode.ALREADY_EXISTS),
-    ((NotServing,), grpc.StatusCode.UNAVAILABLE),
+    ((NotServing, StreamIdle), grpc.StatusCode.UNAVAILABLE),
     ((Expired,), grpc.StatusCode.DEADLINE_EXCEEDED),
     ((CheckpointError,), grpc.StatusCode.INTERNAL),  # the message names the file and the cause
 )
@@ -181,13 +190,26 @@ def replay_response(run: ReplayRun, step: int, key: pb.RequestKey) -> pb.TrainRe
 #: The small rpcs a front process relays whole (its others it forwards over gRPC:
 #: SaveCheckpoint, which writes a file, would hold up the learner's steps meanwhile).
 RELAYED_CALLS = ("Act", "GetWeights", "ReadISV", "GetInfo", "ComputeEntropy")
+#: Those of them that wait for the apply lock, so count against ``max_queue``.
+QUEUED_CALLS = ("Act", "ComputeEntropy")
 _REQUESTS = {name: getattr(pb, pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name[
     name].input_type.name) for name in RELAYED_CALLS}
 
 
 def too_many_streams(limit: int) -> str:
-    """What the server says to a TrainStream past ``max_streams``."""
+    """What the server says to a TrainStream past ``max_streams``, in every server model."""
     return f"too many concurrent TrainStreams (limit {limit})"
+
+
+def queue_full(limit: int) -> str:
+    """What the server says to a request past ``max_queue``, in every server model."""
+    return f"{limit} requests already wait for the learner (max_queue {limit})"
+
+
+def stream_idle(timeout_s: float) -> str:
+    """What the server says to a TrainStream idle for ``receive_timeout_s``."""
+    return (f"no request for {timeout_s:g} s while none was in flight: the stream is "
+            f"closed; open another to send more (resending unanswered keys is safe)")
 
 
 def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
@@ -311,6 +333,7 @@ class Limits:
     max_batch_size: int
     max_streams: int
     max_queue: int = 64
+    receive_timeout_s: float = 30.0
 
 
 class LearnerService(pb_grpc.LearnerServicer):
@@ -324,8 +347,8 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._learner: Learner | None = None
         self._apply_lock = threading.Lock()
         self._release = _Release(self)   # what _admit returns
-        self._queue_lock = threading.Lock()  # guards _waiting and _draining
-        self._waiting = 0                    # requests admitted, waiting for _apply_lock
+        self._queue_lock = threading.Lock()  # guards _queued and _draining
+        self._queued = 0                     # requests admitted, waiting for _apply_lock
         self._draining = False
         self._streams = threading.BoundedSemaphore(limits.max_streams)
         self.checkpoint_replay = False
@@ -358,7 +381,7 @@ class LearnerService(pb_grpc.LearnerServicer):
             self._draining = True
         while True:
             with self._holding_apply_lock(), self._queue_lock:
-                if self._waiting == 0:
+                if self._queued == 0:
                     return
             time.sleep(0.001)
 
@@ -376,10 +399,9 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self._queue_lock:
             if change is not None:
                 self._refuse_if_draining(change)
-            if self._waiting >= self.limits.max_queue:
-                raise ResourceExhausted(f"{self._waiting} requests already wait for the "
-                                        f"learner (max_queue {self.limits.max_queue})")
-            self._waiting += 1
+            if self._queued >= self.limits.max_queue:
+                raise ResourceExhausted(queue_full(self.limits.max_queue))
+            self._queued += 1
         try:
             left = context.time_remaining() if context is not None else None
             # No deadline: grpc reports one far in the future.
@@ -387,7 +409,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                                            else max(left, 0.0))
         finally:
             with self._queue_lock:
-                self._waiting -= 1
+                self._queued -= 1
         if not got:
             raise Expired("the deadline passed while the request waited for the learner; "
                           "it was not applied")
@@ -482,7 +504,7 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     def call_relayed(self, name: str, request: bytes, context) -> bytes:
         """A small rpc (one of :data:`RELAYED_CALLS`) that a front process relayed whole
-        (server/relay.py): its response's bytes.  Raises what the rpc refuses with; bytes
+        (server/fronts/relay.py): its response's bytes.  Raises what the rpc refuses with; bytes
         that do not parse, InvalidArgument in DecodeGuard's words."""
         try:
             message = _REQUESTS[name].FromString(request)
@@ -564,12 +586,25 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     @_rpc
     def TrainStream(self, request_iterator, context) -> Iterator[pb.TrainResponse]:
-        self.open_stream()
+        if not self._streams.acquire(blocking=False):
+            raise ResourceExhausted(too_many_streams(self.limits.max_streams))
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        reader = StreamReader(request_iterator, inbox, ahead=1)
         try:
-            for request in request_iterator:
-                yield self._train(request, context)
+            while True:
+                try:
+                    kind, item = inbox.get(timeout=self.limits.receive_timeout_s)
+                except queue.Empty:
+                    raise StreamIdle(stream_idle(self.limits.receive_timeout_s)) from None
+                if kind == END:
+                    return
+                if kind == FAILED:
+                    raise item
+                yield self._train(item, context)
+                reader.done()
         finally:
-            self.close_stream()
+            reader.close()
+            self._streams.release()
 
     @_rpc
     def ComputeEntropy(self, request, context):

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+import grpc
 
 import numpy as np
 import pytest
@@ -60,3 +61,61 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "
     while not predicate():
         assert time.monotonic() < deadline, what or "the awaited event never came"
         time.sleep(0.005)
+
+
+class RelayWork:
+    """A relay.RelayService whose work is the functions given: ``prepare(data, unary)``,
+    ``apply(job, call)``, ``refuse(exc, unary)`` (default: INTERNAL, the exception's
+    words), ``prepare_packed(packed, key)`` and ``call(method, request, call)`` (default:
+    refused); it counts what the metrics would."""
+
+    def __init__(self, prepare, apply, refuse=None, *, prepare_packed=None, call=None):
+        self._prepare, self._apply = prepare, apply
+        self._refuse = refuse or (lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)))
+        self._prepare_packed, self._call = prepare_packed, call
+        self.depth = self.opened = self.closed = 0   # requests not answered; streams
+
+    def prepare(self, request, unary):
+        return self._prepare(request, unary)
+
+    def prepare_packed(self, packed, key):
+        if self._prepare_packed is None:
+            raise RuntimeError("a packed request reached a relay that takes none")
+        return self._prepare_packed(packed, key)
+
+    def apply(self, job, call):
+        return self._apply(job, call)
+
+    def refusal(self, exc, unary):
+        return self._refuse(exc, unary)
+
+    def call(self, method, request, call):
+        if self._call is None:
+            return grpc.StatusCode.UNIMPLEMENTED, b"this relay takes no small rpcs"
+        return self._call(method, request, call)
+
+    def received(self, front):
+        self.depth += 1
+
+    def answered(self):
+        self.depth -= 1
+
+    def stream_opened(self):
+        self.opened += 1
+
+    def stream_closed(self):
+        self.closed += 1
+
+    def front_refused(self, method, code):
+        pass
+
+
+def replies(stream, n: int) -> list:
+    """The next ``n`` replies (code, payload) in a FrontStream's inbox, 10 s at most each."""
+    from duelq.server.fronts.relay import REPLY
+    got = []
+    while len(got) < n:
+        kind, item = stream.inbox.get(timeout=10)
+        if kind == REPLY:
+            got.append(item)
+    return got

@@ -604,13 +604,13 @@ def test_uploaded_batches_step_exactly_like_staged_ones():
     assert sum(ahead.prepare(b).upload is not None for b in batches[:3]) == 3  # all came back
 
 
-def pack_request(data: bytes, slot: np.ndarray, packer=None) -> tuple[PackedBatch, bytes]:
-    """(the packed batch, its key's bytes) of request ``data`` written into ``slot`` (uint8)
-    by the front's Packer and read back as the learner reads a PACKED frame."""
+def pack_request(data: bytes, buffer: np.ndarray, packer=None) -> tuple[PackedBatch, bytes]:
+    """(the packed batch, its key's bytes) of request ``data`` written into ``buffer``
+    (uint8) by the front's Packer and read back as the learner reads a PACKED frame."""
     from duelq.server.fronts.packing import Packer, read_packed
-    descriptor = (packer if packer is not None else Packer()).pack(data, slot)
+    descriptor = (packer if packer is not None else Packer()).pack(data, buffer)
     assert descriptor is not None
-    return read_packed(descriptor, slot.data, slot.ctypes.data)
+    return read_packed(descriptor, buffer.data, buffer.ctypes.data)
 
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])

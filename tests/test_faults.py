@@ -34,6 +34,8 @@ from duelq.client import LearnerClient, encode_batch
 from duelq.server.core.checkpoint import read_latest
 from duelq.server.core.learner import Learner
 from duelq.server.core.state import LearnerState
+from duelq.server.fronts import start_server
+from duelq.server.server import ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -266,6 +268,42 @@ def test_sigterm_mid_stream_drains_checkpoints_and_resumes_bit_identically(tmp_p
         first.kill()
         if second is not None:
             second.kill()
+
+
+@pytest.mark.parametrize("fronts", [0, 1], ids=["one-process", "front-process"])
+def test_a_stopping_server_takes_no_new_calls_while_it_drains(fronts):
+    """gRPC stops taking calls as the drain begins, not after it: clients that the drain
+    answers UNAVAILABLE retry at once, and a call of theirs that came just as gRPC shut down
+    would be cancelled (CANCELLED, which no client retries), so they must find the port
+    closed meanwhile.  The drain is held by a step that holds the learner."""
+    from test_hostile import learner_held
+    server = start_server(SMALL, ServerOptions(port=0, front_processes=fronts, grace_s=30),
+                          backend="reference")
+    stopper = threading.Thread(target=server.stop)
+    try:
+        with grpc.insecure_channel(server.target) as channel:   # connected before the stop
+            stub = pb_grpc.LearnerStub(channel)
+            stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+            with learner_held(server, applied=False):
+                stopper.start()
+                deadline = time.monotonic() + 30
+                while True:   # until the port is closed, the learner still held
+                    try:
+                        socket.create_connection(("127.0.0.1", server.port), 1).close()
+                    except ConnectionRefusedError:
+                        break
+                    except ConnectionResetError:   # the listener closed as this one queued
+                        pass
+                    assert time.monotonic() < deadline, "the port stays open while it drains"
+                    time.sleep(0.01)
+                with pytest.raises(grpc.RpcError) as turned_away:
+                    stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+                assert turned_away.value.code() == grpc.StatusCode.UNAVAILABLE
+        stopper.join(60)
+        assert not stopper.is_alive()
+    finally:
+        if not stopper.is_alive() and stopper.ident is None:
+            server.stop(0)
 
 
 DOOMED = textwrap.dedent("""

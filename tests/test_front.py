@@ -33,15 +33,15 @@ from duelq.server.core.checkpoint import CheckpointError
 from duelq.server.core.config import LearnerConfig
 from duelq.server.fronts.front import FrontServer, LearnerProcessError, usable_cpus
 from duelq.server.core.learner import cuda_usable
-from duelq.server.fronts.relay import (AHEAD, LOOK_AFTER_S, MAX_STREAM_ID, RelayFront,
-                                       RelayLearner, SlotPool)
+from duelq.server.fronts.relay import (AHEAD, LOOK_AFTER_S, MAX_STREAM_ID, BufferPool, RelayFront,
+                                       RelayLearner)
 from duelq.server.fronts import start_server
 from duelq.server.server import SERVICE_NAME, ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from conftest import SMALL, random_batch
-from helpers import wait_for
+from helpers import RelayWork, replies, wait_for
 
 
 @pytest.fixture
@@ -52,8 +52,8 @@ def pair(make_server):
     front = start_server(SMALL, ServerOptions(port=0, front_processes=1), backend="reference")
     pack, front.packed = front._relay._pack, []   # the Packer's answers
 
-    def counted(data, slot, address):
-        front.packed.append(pack(data, slot, address))
+    def counted(data, buffer, address):
+        front.packed.append(pack(data, buffer, address))
         return front.packed[-1]
     front._relay._pack = counted
     yield plain, front
@@ -141,9 +141,9 @@ def test_refuses_like_the_one_process_server(pair):
     assert want[3] == 1 and want[4] == (True, 1)
 
 
-def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, caplog):
-    """max_streams holds; requests beyond the slot size go through the socket and more
-    requests than slots are in flight at once: all answered, same results."""
+def test_limits_streams_and_relays_requests_larger_than_a_buffer(make_server, caplog):
+    """max_streams holds; requests beyond the buffer size go through the socket and more
+    requests than buffers are in flight at once: all answered, same results."""
     options = dict(max_streams=1, max_rpcs=4, max_queue=1, max_message_bytes=1 << 20)
     front = start_server(SMALL, ServerOptions(port=0, front_processes=1, **options),
                          backend="reference")
@@ -151,7 +151,7 @@ def test_limits_streams_and_relays_requests_larger_than_a_slot(make_server, capl
     try:
         rng = np.random.default_rng(9)
         batches = [random_batch(rng, 1500 if i % 3 == 0 else 9) for i in range(10)]
-        assert 2 * 1500 * SMALL.hidden_dim * 4 > (1 << 20) / 8   # larger than a slot
+        assert 2 * 1500 * SMALL.hidden_dim * 4 > (1 << 20) / 8   # larger than a buffer
         answers = []
         for server in (plain, front):
             with LearnerClient(server.target, actor_id="big") as client:
@@ -234,41 +234,39 @@ def test_token_health_metrics_and_info(tmp_path):
 
 
 class _Job:
-    """A relayed job for the relay's own tests: holds one of ``free``'s slots if any."""
+    """A relayed job for the relay's own tests: holds one of ``free``'s places if any (as a
+    cuda upload does)."""
 
     def __init__(self, data: memoryview, free: queue.SimpleQueue):
         self.bad, self._free = bytes(data) == b"bad", free
         try:
-            self.slot = free.get_nowait()
+            self.place = free.get_nowait()
         except queue.Empty:
-            self.slot = None
+            self.place = None
 
     def close(self) -> None:
-        slot, self.slot = self.slot, None
-        if slot is not None:
-            self._free.put(slot)
+        place, self.place = self.place, None
+        if place is not None:
+            self._free.put(place)
         if self.bad:
             raise RuntimeError("a device fault while giving the upload back (simulated)")
 
 
-def _started_relay(prepare, apply, refuse=lambda exc, unary: (grpc.StatusCode.INTERNAL,
-                                                               str(exc)),
-                   slots: SlotPool | None = None, **kwargs):
-    """A started RelayLearner and its RelayFront over a socket pair and one slot pool
-    (default 4 of 64 bytes); ``kwargs``: RelayLearner's (open_stream, depth, …)."""
+def _started_relay(service: RelayWork, buffers: BufferPool | None = None):
+    """A started RelayLearner for ``service`` and its RelayFront over a socket pair and one
+    buffer pool (default 4 of 64 bytes)."""
     learner_end, front_end = socket.socketpair()
-    slots = slots or SlotPool(4, 64)
-    kwargs = {"open_stream": lambda: None, "close_stream": lambda: None, **kwargs}
-    learner = RelayLearner(learner_end, slots, prepare, apply, refuse, **kwargs)
+    buffers = buffers or BufferPool(4, 64)
+    learner = RelayLearner(learner_end, buffers, service)
     learner.start()
-    return learner, RelayFront(front_end, slots)
+    return learner, RelayFront(front_end, buffers)
 
 
-def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL, **kwargs):
-    """:func:`_started_relay` whose jobs hold one of ``free``'s slots (:class:`_Job`);
+def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL):
+    """:func:`_started_relay` whose jobs hold one of ``free``'s places (:class:`_Job`);
     refusals answered ``code``."""
-    return _started_relay(lambda data, unary: _Job(data, free), apply,
-                          lambda exc, unary: (code, str(exc)), SlotPool(32, 4096), **kwargs)
+    return _started_relay(RelayWork(lambda data, unary: _Job(data, free), apply,
+                                   lambda exc, unary: (code, str(exc))), BufferPool(32, 4096))
 
 
 def test_relay_answers_on_after_a_job_fails_to_close():
@@ -283,13 +281,8 @@ def test_relay_answers_on_after_a_job_fails_to_close():
         for payload, want in ((b"good", grpc.StatusCode.OK), (b"bad", grpc.StatusCode.INTERNAL),
                               (b"good", grpc.StatusCode.OK)):
             stream = front.open(unary=True, deadline=time.monotonic() + 10)
-            stream.submit(payload)
-            stream.done_sending()
-            answers: list = []
-            reader = threading.Thread(target=lambda: answers.extend(stream.replies()),
-                                      daemon=True)
-            reader.start()
-            reader.join(10)   # without an answer, the test fails instead of hanging
+            assert stream.submit(payload) is None
+            answers = replies(stream, 1)   # without an answer, the test fails, not hangs
             stream.close()
             assert [code for code, _ in answers] == [want]
     finally:
@@ -307,18 +300,16 @@ def test_relay_answers_a_refusal_it_cannot_word(caplog):
 
     def refuse(exc, unary):
         raise RuntimeError("the refusal's wording failed (simulated)")
-    learner, front = _started_relay(
+    learner, front = _started_relay(RelayWork(
         lambda data, unary: types.SimpleNamespace(bad=bytes(data) == b"bad",
-                                                           close=lambda: None),
-        apply, refuse)
+                                                  close=lambda: None), apply, refuse))
     try:
         for payload, want in ((b"bad", (grpc.StatusCode.INTERNAL,
                                         b"ValueError: the step failed")),
                               (b"good", (grpc.StatusCode.OK, b"ok"))):
             stream = front.open(unary=True, deadline=None)
-            assert stream.submit(payload)
-            stream.done_sending()
-            assert list(stream.replies()) == [want]
+            assert stream.submit(payload) is None
+            assert replies(stream, 1) == [want]
             stream.close()
         assert "wording the refusal" in caplog.text and not learner.closed.is_set()
     finally:
@@ -326,17 +317,17 @@ def test_relay_answers_a_refusal_it_cannot_word(caplog):
         learner.close()
 
 
-def test_slot_pool_refuses_a_write_that_does_not_fit_its_slot():
-    """A write past its slot's end, or into a slot the pool lacks, fails and changes
-    nothing (it would otherwise spill into the next slot's bytes)."""
-    slots = SlotPool(2, 8)
-    slots.write(1, b"12345678")
+def test_buffer_pool_refuses_a_write_that_does_not_fit_its_buffer():
+    """A write past its buffer's end, or into a buffer the pool lacks, fails and changes
+    nothing (it would otherwise spill into the next buffer's bytes)."""
+    buffers = BufferPool(2, 8)
+    buffers.write(1, b"12345678")
     for index, data in ((0, b"123456789"), (2, b"x"), (-1, b"x")):
-        with pytest.raises(ValueError, match="the pool has 2 slots of 8 bytes"):
-            slots.write(index, data)
-    assert bytes(slots.slot(1, 8)) == b"12345678"
-    assert bytes(slots.slot(0, 8)) == bytes(8)
-    slots.close()
+        with pytest.raises(ValueError, match="the pool has 2 buffers of 8 bytes"):
+            buffers.write(index, data)
+    assert bytes(buffers.buffer(1, 8)) == b"12345678"
+    assert bytes(buffers.buffer(0, 8)) == bytes(8)
+    buffers.close()
 
 
 def test_relay_reply_sends_the_rest_after_a_partial_send():
@@ -355,38 +346,35 @@ def test_relay_reply_sends_the_rest_after_a_partial_send():
 
         def sendall(self, data):
             self.sent += bytes(data)
-    sock, slots = Sock(), SlotPool(1, 64)
+    sock, buffers = Sock(), BufferPool(1, 64)
     try:
-        stream = _LearnerStream(_Front(1, sock, slots), 7, False)
+        stream = _LearnerStream(_Front(1, sock, buffers), 7, False)
         RelayLearner._reply(stream, 0, grpc.StatusCode.OK, b"the payload")
         assert sock.sent == _REPLY.pack(7, 0, grpc.StatusCode.OK.value[0], 11) + b"the payload"
     finally:
-        slots.close()
+        buffers.close()
 
 
 def test_relay_reads_frames_however_the_socket_splits_them():
-    """The learner end reads a front's bytes as they come: OPEN, a request in the slot pool
-    and one inline, sent one byte at a time, and then all in one write, get their answers
-    in order."""
+    """The learner end reads a front's bytes as they come: OPEN, a request in the buffer
+    pool and one inline, sent one byte at a time, and then all in one write, get their
+    answers in order."""
     from duelq.server.fronts.relay import _FRAME, _REPLY, END, INLINE, OPEN, REQ
 
     learner_end, front_end = socket.socketpair()
-    slots = SlotPool(2, 64)
-    slots.write(0, b"in the pool")
-    learner = RelayLearner(
-        learner_end, slots,
+    buffers = BufferPool(2, 64)
+    buffers.write(0, b"in the pool")
+    learner = RelayLearner(learner_end, buffers, RelayWork(
         lambda data, unary: types.SimpleNamespace(data=bytes(data), close=lambda: None),
-        lambda job, call: job.data.upper(),
-        lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-        open_stream=lambda: None, close_stream=lambda: None)
+        lambda job, call: job.data.upper()))
     learner.start()
     rfile = front_end.makefile("rb")
 
     def replies(n: int) -> list[tuple[int, bytes]]:
         got = []
         for _ in range(n):
-            sid, slot, code, size = _REPLY.unpack(rfile.read(_REPLY.size))
-            got.append((slot, rfile.read(size)))
+            sid, buffer, code, size = _REPLY.unpack(rfile.read(_REPLY.size))
+            got.append((buffer, rfile.read(size)))
         return got
     try:
         for sid, split in ((1, True), (2, False)):
@@ -407,9 +395,10 @@ def test_relay_reads_frames_however_the_socket_splits_them():
         front_end.close()
 
 
-def _named_jobs_relay(prepare_hook, applied: list, *, slots: int = 4, **kwargs):
+def _named_jobs_relay(prepare_hook, applied: list, *, buffers: int = 4) -> tuple:
     """A started RelayLearner and its RelayFront whose jobs are the requests' bytes:
-    ``prepare_hook(name)`` runs in each prepare, ``applied`` collects the steps."""
+    ``prepare_hook(name)`` runs in each prepare, ``applied`` collects the steps; and the
+    relay's service (:class:`RelayWork`)."""
     def prepare(data, unary):
         name = bytes(data).decode()
         prepare_hook(name)
@@ -418,7 +407,8 @@ def _named_jobs_relay(prepare_hook, applied: list, *, slots: int = 4, **kwargs):
     def apply(job, call):
         applied.append(job.name)
         return job.name.encode()
-    return _started_relay(prepare, apply, slots=SlotPool(slots, 64), **kwargs)
+    service = RelayWork(prepare, apply)
+    return (*_started_relay(service, BufferPool(buffers, 64)), service)
 
 
 def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
@@ -426,30 +416,20 @@ def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
     read before the request is stepped."""
     preparing, ended, applied = threading.Event(), threading.Event(), []
 
-    class Depth:   # requests received and not yet answered
-        count = 0
-
-        def inc(self):
-            Depth.count += 1
-
-        def dec(self):
-            Depth.count -= 1
-
     def hook(name):
         if name == "slow":
             preparing.set()
             assert ended.wait(10)
-    learner, front = _named_jobs_relay(hook, applied, depth=Depth())
+    learner, front, service = _named_jobs_relay(hook, applied)
     try:
         stream = front.open(unary=False, deadline=None)
-        assert stream.submit(b"first")
-        answers = stream.replies()
-        assert next(answers) == (grpc.StatusCode.OK, b"first")
-        assert stream.submit(b"slow")
-        assert preparing.wait(5)
+        assert stream.submit(b"first") is None
+        assert replies(stream, 1) == [(grpc.StatusCode.OK, b"first")]
+        assert stream.submit(b"slow") is None
+        assert preparing.wait(10)
         stream.close()   # END, while "slow" is being prepared
         ended.set()
-        wait_for(lambda: Depth.count == 0)
+        wait_for(lambda: service.depth == 0)   # requests received and not yet answered
         assert applied == ["first"]
     finally:
         front.close()
@@ -469,18 +449,17 @@ def test_relay_an_end_stops_a_prepared_request_with_others_queued_behind_it():
         elif name == "slow":
             preparing.set()
             assert ended.wait(10)
-    learner, front = _named_jobs_relay(hook, applied, slots=32)
+    learner, front, _ = _named_jobs_relay(hook, applied, buffers=32)
     try:
         busy, ending = (front.open(unary=False, deadline=None) for _ in range(2))
         for name in [f"a{i}" for i in range(5)] + ["slow"] + [f"b{i}" for i in range(10)]:
-            assert (ending if name == "slow" else busy).submit(name.encode())
+            assert (ending if name == "slow" else busy).submit(name.encode()) is None
         sent.set()
         assert preparing.wait(10)
         assert learner._received   # received, not yet prepared: b0 …
         ending.close()   # END, while "slow" is being prepared
         ended.set()
-        busy.done_sending()
-        assert [payload for _, payload in busy.replies()] == \
+        assert [payload for _, payload in replies(busy, 15)] == \
             [f"a{i}".encode() for i in range(5)] + [f"b{i}".encode() for i in range(10)]
         assert "slow" not in applied
     finally:
@@ -503,20 +482,19 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
             raise RuntimeError("the call ended while the request waited; not applied")
         applied.append(job.name)
         return job.name.encode()
-    learner, front = _started_relay(
+    learner, front = _started_relay(RelayWork(
         lambda data, unary: types.SimpleNamespace(name=bytes(data).decode(),
-                                                           close=lambda: None),
-        apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc)))
+                                                  close=lambda: None),
+        apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc))))
     try:
         stream = front.open(unary=False, deadline=None)
-        assert stream.submit(b"waits")
+        assert stream.submit(b"waits") is None
         assert waiting.wait(10)
         stream.close()   # END, while the step waits
         ended.set()
         after = front.open(unary=True, deadline=None)
-        assert after.submit(b"after")
-        after.done_sending()
-        assert list(after.replies()) == [(grpc.StatusCode.OK, b"after")]
+        assert after.submit(b"after") is None
+        assert replies(after, 1) == [(grpc.StatusCode.OK, b"after")]
         assert applied == ["after"]
     finally:
         front.close()
@@ -530,27 +508,26 @@ def test_relay_call_is_active_never_raises(caplog):
 
     def look():
         raise OSError("the relay's sockets are closed (simulated)")
-    slots = SlotPool(1, 64)
+    buffers = BufferPool(1, 64)
     try:
-        call = RelayCall(0.0, _LearnerStream(_Front(0, None, slots), 1, False), look=look)
+        call = RelayCall(0.0, _LearnerStream(_Front(0, None, buffers), 1, False), look=look)
         time.sleep(0.002)   # past LOOK_AFTER_S: it looks
         assert call.is_active() and "reading the relay's frames" in caplog.text
     finally:
-        slots.close()
+        buffers.close()
 
 
 def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
     applied: list = []
-    learner, front = _named_jobs_relay(lambda name: None, applied)
+    learner, front, _ = _named_jobs_relay(lambda name: None, applied)
     try:
         gone_end, gone = socket.socketpair()
         gone.close()
         gone_end.close()
-        learner.attach(gone_end, SlotPool(1, 64))   # cannot even be watched
+        learner.attach(gone_end, BufferPool(1, 64))   # cannot even be watched
         stream = front.open(unary=True, deadline=None)
-        assert stream.submit(b"still served")
-        stream.done_sending()
-        assert [payload for _, payload in stream.replies()] == [b"still served"]
+        assert stream.submit(b"still served") is None
+        assert [payload for _, payload in replies(stream, 1)] == [b"still served"]
         stream.close()
         assert not learner.closed.is_set()
     finally:
@@ -561,29 +538,21 @@ def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
 def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
     """close() shuts every front's socket at once, so one select can report them all,
     the first front first: the relay ends without an error and finishes every stream."""
-    counts = {"open": 0, "close": 0}
-
-    def count(name):
-        def bump():
-            counts[name] += 1
-        return bump
     for _ in range(5):
         ends = [socket.socketpair() for _ in range(4)]
-        slots = [SlotPool(2, 64) for _ in ends]
-        learner = RelayLearner(ends[0][0], slots[0], lambda *a: None, lambda *a: b"",
-                               lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                               open_stream=count("open"), close_stream=count("close"))
+        pools = [BufferPool(2, 64) for _ in ends]
+        service = RelayWork(lambda *a: None, lambda *a: b"")
+        learner = RelayLearner(ends[0][0], pools[0], service)
         learner.start()
-        fronts = [RelayFront(ends[0][1], slots[0])]
-        for (mine, theirs), pool in list(zip(ends, slots))[1:]:
+        fronts = [RelayFront(ends[0][1], pools[0])]
+        for (mine, theirs), pool in list(zip(ends, pools))[1:]:
             learner.attach(mine, pool)
             fronts.append(RelayFront(theirs, pool))
         for front in fronts:
             front.open(unary=False, deadline=None)
-        wait_for(lambda: counts["open"] == len(fronts))   # every OPEN read
+        wait_for(lambda: service.opened == len(fronts))   # every OPEN read
         learner.close()
-        assert learner.closed.is_set() and counts["open"] == counts["close"] == len(fronts)
-        counts.update(open=0, close=0)
+        assert learner.closed.is_set() and service.opened == service.closed == len(fronts)
         for front in fronts:
             front.close()
     assert "the relay failed" not in caplog.text
@@ -591,7 +560,7 @@ def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
-    """Randomised: 3 fronts × 4 streams submit at once through 32 slots per front (the
+    """Randomised: 3 fronts × 4 streams submit at once through 32 buffers per front (the
     third front attaches while the others stream), prepare and apply pause now and then,
     and some streams end midway.  A stream that finishes
     gets every answer, in order; one that ends midway has a prefix of its requests
@@ -599,14 +568,6 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
     gauge comes back to 0)."""
     pauses = random.Random(seed), random.Random(-seed)   # prepare's, apply's
     applied: list[bytes] = []
-    depth = [0]
-
-    class Depth:
-        def inc(self):
-            depth[0] += 1
-
-        def dec(self):
-            depth[0] -= 1
 
     def prepare(data, unary):
         if pauses[0].random() < 0.2:
@@ -619,10 +580,9 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
         applied.append(job.data)
         return job.data.upper()
     ends = [socket.socketpair() for _ in range(3)]
-    pools = [SlotPool(32, 64) for _ in ends]
-    learner = RelayLearner(ends[0][0], pools[0], prepare, apply,
-                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None, depth=Depth())
+    pools = [BufferPool(32, 64) for _ in ends]
+    service = RelayWork(prepare, apply)
+    learner = RelayLearner(ends[0][0], pools[0], service)
     learner.start()
     fronts = [RelayFront(ends[0][1], pools[0])]
 
@@ -638,12 +598,10 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
     def run(f: int, s: int, end_after: int | None) -> None:
         stream = fronts[f].open(unary=False, deadline=None)
         for i in range(40 if end_after is None else end_after):
-            assert stream.submit(f"f{f}s{s}r{i}".encode())
+            assert stream.submit(f"f{f}s{s}r{i}".encode()) is None
         if end_after is None:
-            stream.done_sending()
-            answers[f, s] = list(stream.replies())
-        else:
-            stream.close()
+            answers[f, s] = replies(stream, 40)
+        stream.close()
     threads = [threading.Thread(target=run, args=args) for args in streams]
     try:
         for thread in threads[:8]:   # the first two fronts' streams
@@ -653,7 +611,7 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
             thread.start()
         for thread in threads:
             thread.join(60)
-        wait_for(lambda: depth[0] == 0)
+        wait_for(lambda: service.depth == 0)
         assert not any(t.is_alive() for t in threads)
         assert len(applied) == len(set(applied))
         for f, s, end_after in streams:
@@ -670,10 +628,10 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
 
 
 def test_relay_that_fails_ends_and_answers_what_it_received(caplog):
-    """Should the relay's thread fail, the relay ends as when its first front goes: every
-    stream ends, each request it holds is answered, and ``closed`` is set."""
+    """Should the relay's thread fail, every stream is refused UNAVAILABLE (its client may
+    retry its keys), each request it holds is answered, and ``closed`` is set."""
     applied: list = []
-    learner, front = _named_jobs_relay(lambda name: None, applied)
+    learner, front, _ = _named_jobs_relay(lambda name: None, applied)
     reads = learner._read
 
     def failing_read(one):   # after the first step, fails once it has read a frame
@@ -684,29 +642,28 @@ def test_relay_that_fails_ends_and_answers_what_it_received(caplog):
     learner._read = failing_read
     try:
         stream = front.open(unary=False, deadline=None)
-        assert stream.submit(b"first")
-        answers = stream.replies()
-        assert next(answers) == (grpc.StatusCode.OK, b"first")
-        assert stream.submit(b"second")   # received by the failing relay, never prepared
-        code, _ = next(answers)
-        assert code == grpc.StatusCode.CANCELLED and learner.closed.wait(5)
+        assert stream.submit(b"first") is None
+        assert replies(stream, 1) == [(grpc.StatusCode.OK, b"first")]
+        assert stream.submit(b"second") is None   # received by the failing relay, not prepared
+        [(code, _)] = replies(stream, 1)
+        assert code == grpc.StatusCode.UNAVAILABLE and learner.closed.wait(5)
         assert "the relay failed" in caplog.text and applied == ["first"]
     finally:
         front.close()
         learner.close()
 
 
-def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
+def test_relay_prepares_no_more_jobs_than_the_backend_has_uploads_in_flight():
     """With a slow step, at most AHEAD + 1 jobs are alive (prepared, and one stepping), so
-    each finds one of CudaBackend's AHEAD + 1 upload slots and none is packed at its step
-    (test_cuda checks that the two counts agree)."""
+    each finds one of CudaBackend's AHEAD + 1 uploads in flight and none is packed at its
+    step (test_cuda checks that the two counts agree)."""
     free: queue.SimpleQueue = queue.SimpleQueue()
-    for slot in range(AHEAD + 1):
-        free.put(slot)
+    for place in range(AHEAD + 1):
+        free.put(place)
     jobs, alive = [], []
 
     def apply(job, call):
-        jobs.append(job.slot)
+        jobs.append(job.place)
         alive.append(AHEAD + 1 - free.qsize())
         time.sleep(0.002)   # the step; it gives its upload back before it answers
         job.close()
@@ -716,10 +673,9 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
         streams = [front.open(unary=False, deadline=None) for _ in range(4)]
         for stream in streams:
             for _ in range(25):
-                assert stream.submit(b"x")
-            stream.done_sending()
+                assert stream.submit(b"x") is None
         for stream in streams:
-            assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 25
+            assert [code for code, _ in replies(stream, 25)] == [grpc.StatusCode.OK] * 25
             stream.close()
         assert len(jobs) == 100 and None not in jobs
         assert max(alive) == AHEAD + 1   # the next request's copy overlaps each step
@@ -730,7 +686,7 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_upload_slots():
 
 def test_stream_ids_wrap_past_the_frames_32_bits_and_skip_open_ones():
     learner_end, front_end = socket.socketpair()
-    front = RelayFront(front_end, SlotPool(1, 4096))
+    front = RelayFront(front_end, BufferPool(1, 4096))
     try:
         front._last_id = MAX_STREAM_ID - 2
         held = front.open(unary=False, deadline=None)      # MAX − 1, still open
@@ -915,32 +871,70 @@ def test_a_killed_second_front_leaves_the_first_serving(tmp_path, caplog):
 
 def test_a_second_front_gone_ends_its_streams_only():
     """The learner end serves several fronts: when one front's connection closes, its open
-    streams end (each admitted one counted out once), and the other fronts' go on."""
-    closed: list = []
-    learner, first = _relay_pair(lambda job, call: b"ok", queue.SimpleQueue(),
-                                 close_stream=lambda: closed.append(1))
+    streams end (each counted out once), and the other fronts' go on."""
+    service = RelayWork(lambda data, unary: types.SimpleNamespace(close=lambda: None),
+                       lambda job, call: b"ok")
+    learner, first = _started_relay(service, BufferPool(32, 4096))
     second_learner_end, second_front_end = socket.socketpair()
-    second_slots = SlotPool(4, 4096)
-    assert learner.attach(second_learner_end, second_slots) == 1
-    second = RelayFront(second_front_end, second_slots)
+    second_buffers = BufferPool(4, 4096)
+    assert learner.attach(second_learner_end, second_buffers) == 1
+    second = RelayFront(second_front_end, second_buffers)
     try:
         open_there = [second.open(unary=False, deadline=None) for _ in range(2)]
-        assert open_there[0].submit(b"x")
-        assert next(open_there[0].replies())[0] == grpc.StatusCode.OK
+        assert open_there[0].submit(b"x") is None
+        assert replies(open_there[0], 1)[0][0] == grpc.StatusCode.OK
         here = first.open(unary=False, deadline=None)   # the same stream id on the first
         assert here.sid == open_there[0].sid
         second.close()
         deadline = time.monotonic() + 10
-        while len(closed) < 2 and time.monotonic() < deadline:
+        while service.closed < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(closed) == 2                          # both of the gone front's streams
-        assert here.submit(b"y")
-        here.done_sending()
-        assert [code for code, _ in here.replies()] == [grpc.StatusCode.OK]
+        assert service.closed == 2                       # both of the gone front's streams
+        assert here.submit(b"y") is None
+        assert [code for code, _ in replies(here, 1)] == [grpc.StatusCode.OK]
         here.close()
         assert not learner.closed.is_set()
     finally:
         first.close()
+        learner.close()
+
+
+def test_when_the_first_front_closes_another_fronts_requests_are_answered_unavailable():
+    """The first front's connection closing is the learner process stopping: a request of
+    another front that has not started is answered UNAVAILABLE (its client retries the
+    key), never CANCELLED (which would tell that client its own call had ended)."""
+    held, go = threading.Event(), threading.Event()
+
+    def apply(job, call):
+        if job.name == "first":
+            held.set()
+            while not go.wait(0.005):
+                call.is_active()   # reads the frames that come meanwhile
+        return job.name.encode()
+    service = RelayWork(lambda data, unary: types.SimpleNamespace(name=bytes(data).decode(),
+                                                                  close=lambda: None), apply)
+    learner, first = _started_relay(service)
+    second_end, second_front_end = socket.socketpair()
+    pool = BufferPool(4, 64)
+    learner.attach(second_end, pool)
+    second = RelayFront(second_front_end, pool)
+    try:
+        assert first.open(unary=True, deadline=None).submit(b"first") is None
+        assert held.wait(10)
+        other = second.open(unary=False, deadline=None)
+        assert other.submit(b"other") is None
+        deadline = time.monotonic() + 10
+        while service.depth < 2:   # received while "first" steps
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        first.close()
+        go.set()
+        assert replies(other, 1) == [(grpc.StatusCode.UNAVAILABLE,
+                                      b"the learner process is stopping; retry with the "
+                                      b"same key")]
+    finally:
+        go.set()
+        second.close()
         learner.close()
 
 
@@ -988,59 +982,30 @@ def test_front_processes_refuse_a_port_another_server_listens_on():
         first.stop(0)
 
 
-def test_a_stream_is_counted_out_before_its_last_answer_leaves():
-    """With max_streams 1, a client that gets its stream's last answer, ends the stream and
-    opens the next must be admitted: the learner end counts the first stream's request out
-    before it sends the answer (a slow gauge widens the window in which it did not)."""
-    admitted = threading.BoundedSemaphore(1)
-
-    def open_stream() -> None:
-        if not admitted.acquire(blocking=False):
-            raise RuntimeError("too many concurrent TrainStreams (limit 1)")
-
-    class SlowGauge:
-        def inc(self) -> None:
-            pass
-
-        def dec(self) -> None:
-            time.sleep(0.2)
-
-    learner, front = _relay_pair(lambda job, call: b"ok", queue.SimpleQueue(),
-                                 code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 open_stream=open_stream, close_stream=admitted.release,
-                                 depth=SlowGauge())
-    try:
-        for _ in range(3):
-            stream = front.open(unary=False, deadline=None)
-            assert stream.submit(b"x")
-            code, payload = next(stream.replies())
-            assert code == grpc.StatusCode.OK, payload
-            stream.close()   # END, and at once the next stream's OPEN
-    finally:
-        front.close()
-        learner.close()
-
-
 def test_another_front_told_of_a_stop_takes_the_learner_process_going_calmly(caplog):
     """The first front tells the others before it stops the learner process, so that they
     do not take its going for a death (ERROR, NOT_SERVING) as they do otherwise."""
     options = ServerOptions(port=0, front_processes=2)
-    for told in (False, True):
-        caplog.clear()
-        front = FrontServer(options, index=1)
-        try:
-            if told:
-                front.expect_stop()
-            front._learner_gone()
-            assert front.broken.is_set() != told
-            assert ("the learner process went away" in caplog.text) != told
-        finally:
-            front._server.stop(0)
+    first = FrontServer(options)   # not started: it makes the folder the others join
+    try:
+        for told in (False, True):
+            caplog.clear()
+            front = FrontServer(options, index=1, directory=first._dir)
+            try:
+                if told:
+                    front.expect_stop()
+                front._learner_gone()
+                assert front.broken.is_set() != told
+                assert ("the learner process went away" in caplog.text) != told
+            finally:
+                front._server.stop(0)
+    finally:
+        first.stop(0)
 
 
-def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
+def test_relay_calls_are_answered_between_steps_and_give_no_buffer_back():
     """A small rpc relayed whole (CALL) is run between two steps, not behind the train
-    requests queued before it, and its reply frees no slot; one that raises is answered
+    requests queued before it, and its reply frees no buffer; one that raises is answered
     INTERNAL; a relay that takes none answers UNIMPLEMENTED; once the learner end is gone
     the front answers UNAVAILABLE itself."""
     order: list = []
@@ -1059,13 +1024,12 @@ def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
             raise RuntimeError("the call failed (simulated)")
         assert context.is_active() and context.time_remaining() is None
         return grpc.StatusCode.OK, request[::-1]
-    learner, front = _started_relay(
-        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply,
-        slots=SlotPool(4, 64), call=call)
+    learner, front = _started_relay(RelayWork(
+        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply, call=call))
     try:
         stream = front.open(unary=False, deadline=None)
         for _ in range(4):
-            assert stream.submit(b"x")
+            assert stream.submit(b"x") is None
         assert held.wait(10)   # the first step holds; three requests queue behind it
         answers: list = []
         sent = threading.Event()
@@ -1075,19 +1039,18 @@ def test_relay_calls_are_answered_between_steps_and_give_no_slot_back():
         assert sent.wait(10)   # the call's frame is on its way, behind the queued three
         go.set()
         caller.join(10)
-        stream.done_sending()
-        assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK] * 4
+        assert [code for code, _ in replies(stream, 4)] == [grpc.StatusCode.OK] * 4
         stream.close()
         assert answers == [(grpc.StatusCode.OK, b"cba")]
         assert order.index("call 1") == 1   # right after the step it came during
         code, details = front.call(0, b"boom", None)
         assert code == grpc.StatusCode.INTERNAL and b"the call failed" in details
-        assert front._free.qsize() == 4   # every slot back, none twice
+        assert front._free.qsize() == 4   # every buffer back, none twice
     finally:
         front.close()
         learner.close()
     assert front.call(0, b"late", None)[0] == grpc.StatusCode.UNAVAILABLE
-    learner, front = _started_relay(lambda *a: None, lambda job, call: b"")
+    learner, front = _started_relay(RelayWork(lambda *a: None, lambda job, call: b""))
     try:
         assert front.call(0, b"", None)[0] == grpc.StatusCode.UNIMPLEMENTED
     finally:
@@ -1110,12 +1073,11 @@ def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
     def call(method, request, context):
         ran.append(request)
         return grpc.StatusCode.OK, b""
-    learner, front = _started_relay(
-        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply,
-        call=call)
+    learner, front = _started_relay(RelayWork(
+        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply, call=call))
     try:
         stream = front.open(unary=True, deadline=None)
-        assert stream.submit(b"x")
+        assert stream.submit(b"x") is None
         assert held.wait(10)
         code, _ = front.call(0, b"late", time.monotonic() + 0.1)   # the step still held
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -1129,8 +1091,7 @@ def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
         caller.join(10)
         assert answers == [(grpc.StatusCode.CANCELLED, b"the call ended before it ran")]
         assert front.call(0, b"on time", None) == (grpc.StatusCode.OK, b"")
-        stream.done_sending()
-        assert [code for code, _ in stream.replies()] == [grpc.StatusCode.OK]
+        assert [code for code, _ in replies(stream, 1)] == [grpc.StatusCode.OK]
         stream.close()
         assert ran == [b"on time"]
     finally:

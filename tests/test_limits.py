@@ -54,7 +54,7 @@ def test_queue_past_max_queue_is_resource_exhausted(make_server):
     running = s.TrainStep.future(keyed(rng, 1))
     assert gate.entered.acquire(timeout=10)            # step 1 holds the learner
     queued = s.TrainStep.future(keyed(rng, 2))
-    wait_for(lambda: server.service._waiting == 1)     # step 2 waits: the queue is full
+    wait_for(lambda: server.service._queued == 1)     # step 2 waits: the queue is full
     with pytest.raises(grpc.RpcError) as info:
         s.TrainStep(keyed(rng, 3), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -92,7 +92,7 @@ def test_deadline_passing_in_the_queue_applies_nothing(make_server):
         with pytest.raises(errors.DeadlineExceeded) as info:
             late.train_step(batch)
         assert info.value.seq == 1
-        wait_for(lambda: server.service._waiting == 0)  # it left the queue...
+        wait_for(lambda: server.service._queued == 0)  # it left the queue...
         gate.opened.set()
         worker.join(10)
         assert server.learner.step_count == 1           # ...without being applied

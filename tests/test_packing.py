@@ -24,13 +24,14 @@ from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 from duelq.server.core.learner import Learner
 from duelq.server.fronts.packing import DESCRIPTOR, STREAM_MIN_BYTES, Packer, read_packed
 from duelq.server.core.reference import ReferenceBackend
-from duelq.server.fronts.relay import RelayFront, RelayLearner, SlotPool
+from duelq.server.fronts.relay import BufferPool, RelayFront, RelayLearner
 from duelq.server.service import (EncodedTrainResponse, LearnerService, Limits, decode_batch,
                                   refusal)
 from duelq.server.framing import parse_train_request
 from duelq.v1 import learner_pb2 as pb
 
 from conftest import SMALL, random_batch
+from helpers import RelayWork, replies
 
 LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=64, max_streams=4)
 WIRES = ("float32", "float16", "bfloat16")
@@ -45,15 +46,15 @@ def test_packed_layout_of_hand_counted_batches():
     assert packed_layout(1, 3, 2, False) == ((0, 6, 12, 16, 20, 24), 7)
 
 
-def _slot(size: int = 1 << 16) -> np.ndarray:
+def _buffer(size: int = 1 << 16) -> np.ndarray:
     return np.full(size, 0xEE, np.uint8)
 
 
-def _packed(data: bytes, slot: np.ndarray | None = None) -> tuple[PackedBatch, bytes]:
-    slot = _slot() if slot is None else slot
-    descriptor = Packer().pack(data, slot)
+def _packed(data: bytes, buffer: np.ndarray | None = None) -> tuple[PackedBatch, bytes]:
+    buffer = _buffer() if buffer is None else buffer
+    descriptor = Packer().pack(data, buffer)
     assert descriptor is not None
-    return read_packed(descriptor, memoryview(slot), slot.ctypes.data)
+    return read_packed(descriptor, memoryview(buffer), buffer.ctypes.data)
 
 
 def _same_arrays(packed: Batch, decoded: Batch) -> None:
@@ -83,12 +84,12 @@ def test_a_packed_request_holds_the_arrays_and_key_the_learner_decodes(seed, row
 
 def test_requests_of_a_layout_seen_before_pack_their_own_values():
     rng = np.random.default_rng(1)
-    packer, slot = Packer(), _slot()
+    packer, buffer = Packer(), _buffer()
     for seq in range(1, 4):   # one layout (the key's seq keeps its length)
         batch = random_batch(rng, 8)
         data = encode_batch_wire(batch, actor_id="actor", seq=seq)
-        descriptor = packer.pack(data, slot)
-        packed, key = read_packed(descriptor, memoryview(slot), slot.ctypes.data)
+        descriptor = packer.pack(data, buffer)
+        packed, key = read_packed(descriptor, memoryview(buffer), buffer.ctypes.data)
         _same_arrays(packed.batch(), batch)
         assert pb.RequestKey.FromString(key) == pb.RequestKey(actor_id="actor", seq=seq)
 
@@ -120,20 +121,20 @@ def _request(batch: Batch, **overrides) -> bytes:
 ])
 def test_a_request_the_learner_would_convert_or_refuse_is_not_packed(why, overrides):
     batch = random_batch(np.random.default_rng(2), 4)
-    slot = _slot()
-    assert Packer().pack(_request(batch, **overrides), slot) is None, why
-    assert (slot == 0xEE).all()   # left as it was
+    buffer = _buffer()
+    assert Packer().pack(_request(batch, **overrides), buffer) is None, why
+    assert (buffer == 0xEE).all()   # left as it was
 
 
-def test_non_canonical_bytes_a_bad_key_and_a_small_slot_are_not_packed():
+def test_non_canonical_bytes_a_bad_key_and_a_small_buffer_are_not_packed():
     batch = random_batch(np.random.default_rng(3), 4)
     data = encode_batch_wire(batch, actor_id="a", seq=1)
     packer = Packer()
-    assert packer.pack(data[:-3] + b"\x42\x01\xff", _slot()) is None   # key: a cut varint
-    assert packer.pack(b"\x08\x01" + data, _slot()) is None            # a varint field first
+    assert packer.pack(data[:-3] + b"\x42\x01\xff", _buffer()) is None   # key: a cut varint
+    assert packer.pack(b"\x08\x01" + data, _buffer()) is None            # a varint field first
     _, words = packed_layout(4, 16, 4, True)
-    assert packer.pack(data, _slot(4 * words - 1)) is None
-    assert packer.pack(data, _slot(4 * words)) is not None
+    assert packer.pack(data, _buffer(4 * words - 1)) is None
+    assert packer.pack(data, _buffer(4 * words)) is not None
 
 
 def test_read_packed_refuses_descriptors_no_front_writes():
@@ -190,8 +191,8 @@ def _service(backend: str | type = "reference") -> LearnerService:
 def _both(service: LearnerService, data: bytes) -> tuple:
     """(the step's response or refusal through relay_prepare_packed, through relay_prepare)
     on two services over learners in the same state."""
-    slot = _slot()
-    descriptor = Packer().pack(data, slot)
+    buffer = _buffer()
+    descriptor = Packer().pack(data, buffer)
     assert descriptor is not None
     twin = _service(type(service.learner.backend) if isinstance(service.learner.backend,
                                                                   PackedReference)
@@ -211,7 +212,7 @@ def _both(service: LearnerService, data: bytes) -> tuple:
         assert parsed.SerializeToString() == response.SerializeToString()   # canonical
         return parsed
     packed = answer(service, lambda: service.relay_prepare_packed(*read_packed(
-        descriptor, memoryview(slot), slot.ctypes.data)), True)
+        descriptor, memoryview(buffer), buffer.ctypes.data)), True)
     unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False), False)
     return packed, unpacked
 
@@ -265,7 +266,7 @@ def test_a_packed_request_with_a_bad_key_is_refused_as_its_bytes_are():
 
 def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
     """Through a RelayFront that packs: a request that packs reaches prepare_packed with its
-    arrays in its slot; one that does not (uint8 actions), and one larger than a slot (sent
+    arrays in its buffer; one that does not (uint8 actions), and one larger than a buffer (sent
     inline), reach prepare as their bytes.  A relay that takes no packed requests refuses
     them (INTERNAL), answering each."""
     rng = np.random.default_rng(7)
@@ -286,20 +287,17 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
     for takes_packed in (True, False):
         seen.clear()
         learner_end, front_end = socket.socketpair()
-        slots = SlotPool(4, 2048)   # B = 40 (≈ 5.8 kB) goes inline
-        learner = RelayLearner(
-            learner_end, slots, prepare, lambda job, call: b"ok",
-            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-            open_stream=lambda: None, close_stream=lambda: None,
-            prepare_packed=prepare_packed if takes_packed else None)
+        buffers = BufferPool(4, 2048)   # B = 40 (≈ 5.8 kB) goes inline
+        learner = RelayLearner(learner_end, buffers, RelayWork(
+            prepare, lambda job, call: b"ok",
+            prepare_packed=prepare_packed if takes_packed else None))
         learner.start()
-        front = RelayFront(front_end, slots, Packer().pack)
+        front = RelayFront(front_end, buffers, Packer().pack)
         try:
             stream = front.open(unary=False, deadline=None)
             for data in requests:
-                assert stream.submit(data)
-            stream.done_sending()
-            answers = list(stream.replies())
+                assert stream.submit(data) is None
+            answers = replies(stream, 3)
             stream.close()
         finally:
             front.close()
@@ -315,26 +313,25 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
                                 b"a packed request reached a relay that takes none")] * 3
 
 
-@pytest.mark.parametrize("op, slot, size", [("PACKED", 7, 10), ("PACKED", -2, 10),
-                                            ("REQ", 4, 0), ("REQ", relay.INLINE - 9, 10),
-                                            ("REQ", 1, 2049)])
-def test_a_request_frame_naming_no_slot_of_its_front_shuts_that_front(op, slot, size, caplog):
-    """A frame whose slot is not one of its front's, or whose bytes overrun it (a front
-    bug): nothing is prepared, no slot is answered on, and that front's connection is shut
-    (here the first front's, which ends the relay)."""
+@pytest.mark.parametrize("op, buffer, size", [("PACKED", 7, 10), ("PACKED", -2, 10),
+                                              ("REQ", 4, 0), ("REQ", relay.INLINE - 9, 10),
+                                              ("REQ", 1, 2049)])
+def test_a_request_frame_naming_no_buffer_of_its_front_shuts_that_front(op, buffer, size,
+                                                                        caplog):
+    """A frame whose buffer is not one of its front's, or whose bytes overrun it (a front
+    bug): nothing is prepared, no buffer is answered on, and that front's connection is
+    shut (here the first front's, which ends the relay)."""
     prepared: list = []
     learner_end, front_end = socket.socketpair()
-    learner = RelayLearner(learner_end, SlotPool(4, 2048),
-                           lambda *a: prepared.append(a), lambda job, call: b"ok",
-                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None,
-                           prepare_packed=lambda *a: prepared.append(a))
+    learner = RelayLearner(learner_end, BufferPool(4, 2048), RelayWork(
+        lambda *a: prepared.append(a), lambda job, call: b"ok",
+        prepare_packed=lambda *a: prepared.append(a)))
     learner.start()
     try:
-        inline = op == "PACKED" or slot < 0   # its bytes follow the frame
+        inline = op == "PACKED" or buffer < 0   # its bytes follow the frame
         front_end.settimeout(10)
         front_end.sendall(relay._FRAME.pack(relay.OPEN, 1, 0, 0, 0.0)
-                          + relay._FRAME.pack(getattr(relay, op), 1, slot, size, 0.0)
+                          + relay._FRAME.pack(getattr(relay, op), 1, buffer, size, 0.0)
                           + (b"x" * size if inline else b""))
         assert learner.closed.wait(10)
         assert front_end.recv(16) == b""   # shut: no reply came
@@ -345,34 +342,31 @@ def test_a_request_frame_naming_no_slot_of_its_front_shuts_that_front(op, slot, 
 
 
 def test_a_request_whose_packing_fails_goes_as_it_came_and_one_that_packs_smaller_fits(caplog):
-    """A packing fault sends the request unpacked (logged); a request larger than a slot
+    """A packing fault sends the request unpacked (logged); a request larger than a buffer
     whose packed arrays fit goes packed, not inline."""
     rng = np.random.default_rng(8)
     data = encode_batch_wire(random_batch(rng, 8), actor_id="a", seq=1)
     _, words = packed_layout(8, 16, 4, True)
     seen: list = []
 
-    def failing(data, slot):
+    def failing(data, buffer, address):
         raise RuntimeError("a packing fault (simulated)")
     for pack, size, want in ((failing, 4096, "bytes"), (Packer().pack, 4 * words, "packed")):
         assert 4 * words < len(data) and (size >= len(data)) == (want == "bytes")
         seen.clear()
         learner_end, front_end = socket.socketpair()
-        slots = SlotPool(2, size)
-        learner = RelayLearner(
-            learner_end, slots, lambda *a: seen.append("bytes") or types.SimpleNamespace(
-                close=lambda: None), lambda job, call: b"ok",
-            lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-            open_stream=lambda: None, close_stream=lambda: None,
+        buffers = BufferPool(2, size)
+        learner = RelayLearner(learner_end, buffers, RelayWork(
+            lambda *a: seen.append("bytes") or types.SimpleNamespace(close=lambda: None),
+            lambda job, call: b"ok",
             prepare_packed=lambda *a: seen.append("packed") or types.SimpleNamespace(
-                close=lambda: None))
+                close=lambda: None)))
         learner.start()
-        front = RelayFront(front_end, slots, pack)
+        front = RelayFront(front_end, buffers, pack)
         try:
             stream = front.open(unary=True, deadline=None)
-            assert stream.submit(data)
-            stream.done_sending()
-            assert list(stream.replies()) == [(grpc.StatusCode.OK, b"ok")]
+            assert stream.submit(data) is None
+            assert replies(stream, 1) == [(grpc.StatusCode.OK, b"ok")]
             stream.close()
         finally:
             front.close()
@@ -385,14 +379,12 @@ def test_the_relay_sleeps_once_a_second_front_has_come_and_gone():
     """A front that attaches (the wake) and then closes (no longer watched) leaves the
     relay thread waiting, not spinning."""
     first_end, first_front = socket.socketpair()
-    learner = RelayLearner(first_end, SlotPool(2, 1024), lambda *a: None,
-                           lambda job, call: b"ok",
-                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None)
+    learner = RelayLearner(first_end, BufferPool(2, 1024),
+                           RelayWork(lambda *a: None, lambda job, call: b"ok"))
     learner.start()
     second_end, second_front = socket.socketpair()
     try:
-        learner.attach(second_end, SlotPool(2, 1024))
+        learner.attach(second_end, BufferPool(2, 1024))
         time.sleep(0.2)
         second_front.close()
         time.sleep(0.2)
@@ -428,12 +420,10 @@ def test_a_relay_whose_first_front_closed_reads_no_other_front_while_it_drains()
     def apply(job, call):
         hold()
         return b"ok"
-    first = SlotPool(3, 64)
-    learner = RelayLearner(first_end, first, prepare, apply,
-                           lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)),
-                           open_stream=lambda: None, close_stream=lambda: None)
+    first = BufferPool(3, 64)
+    learner = RelayLearner(first_end, first, RelayWork(prepare, apply))
     learner.start()
-    second = SlotPool(1, 64)
+    second = BufferPool(1, 64)
     try:
         learner.attach(second_end, second)
         frames = relay._FRAME.pack(relay.OPEN, 1, 0, 0, 0.0)
@@ -459,9 +449,9 @@ def test_a_relay_whose_first_front_closed_reads_no_other_front_while_it_drains()
         learner.close()
 
 
-def test_a_packer_with_the_stream_copy_writes_the_same_slot():
+def test_a_packer_with_the_stream_copy_writes_the_same_buffer():
     """The large arrays go through the stream copy, the small ones are copied as before,
-    and the slot's bytes are those of a plain Packer's."""
+    and the buffer's bytes are those of a plain Packer's."""
     from duelq.server.core import native
     try:
         stream = native.load(cuda=False).stream_copy
@@ -478,7 +468,7 @@ def test_a_packer_with_the_stream_copy_writes_the_same_slot():
         calls.clear()
         data = encode_batch_wire(random_batch(rng, rows), feature_dtype=wire, actor_id="a",
                                  seq=1)
-        plain, streamed = _slot(1 << 20), _slot(1 << 20)
+        plain, streamed = _buffer(1 << 20), _buffer(1 << 20)
         want = Packer().pack(data, plain)
         got = Packer(counted).pack(data, streamed[1:], streamed.ctypes.data + 1)  # unaligned
         assert got == want and streamed[1:].tobytes() == plain[:-1].tobytes()
@@ -520,7 +510,7 @@ def test_a_non_canonical_key_is_answered_in_canonical_bytes(key):
     batch = random_batch(np.random.default_rng(8), 4)
     data = encode_batch_wire(batch) + b"\x42" + bytes([len(key)]) + key   # key: field 8
     assert pb.TrainRequest.FromString(data).key == pb.RequestKey(actor_id="a", seq=1)
-    descriptor = Packer().pack(data, _slot())
+    descriptor = Packer().pack(data, _buffer())
     assert descriptor[DESCRIPTOR.size:] == pb.RequestKey(actor_id="a", seq=1).SerializeToString()
     packed, unpacked = _both(_service(), data)
     assert packed.SerializeToString() == unpacked.SerializeToString()

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from duelq.client import LearnerClient, encode_batch
 from duelq.client.client import encode_batch_wire
-from duelq.server.core.errors import InvalidArgument
+from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 from duelq.wire.tensors import decode, encode
 from duelq.server.core.config import LearnerConfig
 from duelq.server.idempotency import AlreadyApplied, ReplayGuard
@@ -148,7 +148,8 @@ def test_key_whose_result_was_evicted_is_refused_not_reapplied(make_server, rng)
 
 
 def test_replay_guard_window_and_actor_bound():
-    guard = ReplayGuard(capacity=2, window=4, max_actors=2)
+    now = [0.0]
+    guard = ReplayGuard(capacity=2, window=4, max_actors=2, idle_s=60, clock=lambda: now[0])
     for seq in (1, 2, 3, 4, 5):
         assert guard.lookup("a", seq, str) is None
         guard.record("a", seq, f"r{seq}")
@@ -160,8 +161,16 @@ def test_replay_guard_window_and_actor_bound():
     guard.record("a", 10**12, "far")      # a huge jump resets the bitmap, no huge ints
     assert guard.lookup("a", 10**12 - 1, str) is None
     guard.record("b", 1, "b1")
-    guard.record("c", 1, "c1")            # evicts the least recently seen actor, "a"
-    assert guard.lookup("a", 10**12, str) is None and guard.lookup("b", 1, str) == "b1"
+    now[0] = 59
+    with pytest.raises(ResourceExhausted, match="max_actors 2"):   # "a" and "b" are recent:
+        guard.lookup("c", 1, str)                                  # refused, none forgotten
+    assert guard.lookup("a", 10**12, str) == "far" and guard.lookup("b", 1, str) == "b1"
+    now[0] = 59 + 60                      # "a" seen last at 59, "b" too: both idle 60 s
+    assert guard.lookup("c", 1, str) is None
+    guard.record("c", 1, "c1")            # takes the place of the least recently seen, "a"
+    assert guard.lookup("b", 1, str) == "b1" and list(guard._actors) == ["c", "b"]
+    with pytest.raises(ResourceExhausted):   # "a" is new again, and "b" and "c" recent
+        guard.lookup("a", 10**12, str)
 
 
 def _guard_with_records() -> ReplayGuard:

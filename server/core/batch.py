@@ -27,7 +27,7 @@ def packed_layout(rows: int, hidden_dim: int, itemsize: int,
 @dataclass
 class PackedBatch:
     """A batch already in the packed input layout (:func:`packed_layout`) in host memory,
-    as a front process writes it into a relay slot (server/packing.py): a device backend
+    as a front process writes it into a relay buffer (server/fronts/packing.py): a device backend
     that checks values itself (``Backend.checks_values``) copies its words as they are.
 
     Its dtypes and shapes passed the front's checks, all but those against this learner's

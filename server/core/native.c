@@ -116,9 +116,9 @@ int duelq_step(struct duelq_step *s) {
 /* duelq_stream_copy: src[offset, offset + n) to dst, its whole 64-byte blocks from dst's
  * first 16-byte boundary on with non-temporal stores (the ≤ 15 bytes before and ≤ 63 after
  * with memcpy), which go to memory without taking cache lines: a front process writes a batch
- * into its relay slot for the device's copy engine alone to read, and a cached write would
+ * into its relay buffer for the device's copy engine alone to read, and a cached write would
  * evict what the learner process's thread works on from the cache they share.  Fenced, so the bytes are visible before whatever this
- * thread writes next (the frame that names the slot).  Without SSE2: memcpy. */
+ * thread writes next (the frame that names the buffer).  Without SSE2: memcpy. */
 void duelq_stream_copy(unsigned char *dst, const char *src, size_t offset, size_t n) {
     src += offset;
 #if defined(__SSE2__)

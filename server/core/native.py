@@ -210,5 +210,5 @@ def stream_copy() -> Callable[[int, bytes, int, int], None] | None:
     try:
         return load(cuda=False).stream_copy
     except NativeUnavailable as exc:
-        log.info("relay slots are written with plain copies: %s", exc)
+        log.info("relay buffers are written with plain copies: %s", exc)
         return None

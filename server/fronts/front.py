@@ -1,27 +1,35 @@
-"""``--front-processes``: gRPC in this process, the learner in a second one.
+"""``--front-processes``: gRPC in front processes, the learner in one more.
 
 One Python process tops out near 1300 train steps/s whatever the GPU does: gRPC's
 own per-message work and the learner's (parse, checks, copy, launch, encode) take
 turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
 
-* this process (the front) binds the public port and serves health, reflection and
-  the bearer-token check.  TrainStep and TrainStream requests go into a shared-memory
-  slot, their arrays already in the step kernel's input layout where their dtypes and
-  shapes allow (server/packing.py), else their bytes as they came, and a frame tells the
-  learner process (server/relay.py).  A stream keeps reading while earlier requests are
-  learned on;
+* a front process binds the public port and serves health, reflection and the
+  :class:`~duelq.server.gate.Gate` (token, rpc places, receive deadlines).  TrainStep and
+  TrainStream requests go into a shared-memory buffer, their arrays already in the step
+  kernel's input layout where their dtypes and shapes allow (server/fronts/packing.py),
+  else their bytes as they came, and a frame tells the learner process
+  (server/fronts/relay.py).  A stream keeps up to :data:`STREAM_DEPTH` requests at the
+  learner while earlier answers go out, and reads no more while that many are unsent:
+  a client that does not read its answers is stopped by HTTP/2 flow control, as with
+  one process;
 * the learner process is an ordinary :class:`LearnerServer` bound to a private
   Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
-  the same service code.  The small rpcs (``RELAYED_CALLS``: Act, GetWeights …) travel
-  whole over the relay too, run between two steps; SaveCheckpoint is forwarded to the
-  private socket as raw bytes.  Checkpoints, idempotency keys and /metrics live there.
+  the same service code (:class:`RelayedService`).  The small rpcs (``RELAYED_CALLS``:
+  Act, GetWeights …) travel whole over the relay too, run between two steps;
+  SaveCheckpoint is forwarded to the private socket as raw bytes.  Checkpoints,
+  idempotency keys and /metrics live there.
 
 With ``front_processes`` = K > 1, K − 1 more front processes bind the same port
 (SO_REUSEPORT: the kernel spreads incoming connections over the K), each with a GIL of
 its own.  Each connects to the learner process's relay socket in the private directory
-and hands it a slot pool of its own; the learner process takes requests from every front
-on its one relay thread (which reads every front's frames), in arrival order.  The first
-front starts and stops the others.
+and hands it a buffer pool of its own; the learner process takes requests from every
+front on its one relay thread (which reads every front's frames), in arrival order.  The
+first front starts and stops the others.
+
+Every limit is server-wide, as with one process: the fronts count admitted rpcs, open
+TrainStreams and calls waiting for the learner together (server/fronts/shared.py) and
+refuse at the same point, with the same code and words.
 
 Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING (the other fronts too), asks
 the learner process to drain and write its final checkpoint, then stops gRPC.  If the
@@ -36,6 +44,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -52,17 +61,26 @@ from grpc_health.v1 import health_pb2
 
 from duelq.v1 import learner_pb2 as pb
 
+from duelq.server.core.batch import PackedBatch
 from duelq.server.core.checkpoint import CheckpointError
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 from duelq.server.core.native import stream_copy
-from duelq.server.logs import setup_logging
 from duelq.server.fronts.packing import Packer
-from duelq.server.fronts.relay import FrontStream, RelayClosed, RelayFront, RelayLearner, SlotPool
-from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions, add_health_and_reflection,
-                     auth_interceptors, bind, grpc_server, local_target, set_health)
-from duelq.server.service import (REPLAY_BUFFER_RPCS, RELAYED_CALLS, TrainJob, refusal,
+from duelq.server.fronts.relay import (CLOSED, LEARNER_GONE, QUEUE_FULL, REPLY, BufferPool,
+                                       FrontStream, RelayCall, RelayClosed, RelayFront,
+                                       RelayLearner)
+from duelq.server.fronts.shared import SharedCounts
+from duelq.server.gate import END, FAILED, REQUEST, StreamReader
+from duelq.server.logs import setup_logging
+from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions,
+                                 add_health_and_reflection, bind, grpc_server, local_target,
+                                 make_gate, set_health)
+from duelq.server.service import (QUEUED_CALLS, RELAYED_CALLS, REPLAY_BUFFER_RPCS, LearnerService,
+                                  StreamIdle,
+                                  TrainJob, queue_full, refusal, stream_idle,
                                   too_many_streams)
+from duelq.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +95,11 @@ FRONT_START_TIMEOUT_S = 60.0
 STOP_ACK_TIMEOUT_S = 5.0    # for another front to take in that the learner is stopping
 _STARTING = "the learner's backend is still starting; retry shortly"
 LEARNER_SOCKET, RELAY_SOCKET = "learner.sock", "relay.sock"   # in the private directory
+COUNTS_FILE = "counts"   # in the private directory: the fronts' shared counts
+#: Requests of one TrainStream read and not yet answered to its client, at most: enough
+#: to keep the learner busy while answers go out; a client that reads none of its answers
+#: gets no more than this many applied past what HTTP/2 flow control lets through.
+STREAM_DEPTH = 8
 
 
 class LearnerProcessError(RuntimeError):
@@ -124,27 +147,27 @@ def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     return count
 
 
-def slot_pool_size(options: ServerOptions) -> tuple[int, int]:
-    """(slots, bytes per slot) of each front's pool, from the server's limits: 2 · max_queue
-    slots over all fronts (at least 4 each), so the requests in flight to the learner process
-    follow the queue limit, of max_message_bytes / 8 each (8 MiB by default: a packed
-    B = 4096, H = 128 float32 batch); a request that does not fit goes through the socket
-    (slower, the same result)."""
+def buffer_pool_size(options: ServerOptions) -> tuple[int, int]:
+    """(buffers, bytes per buffer) of each front's pool, from the server's limits: 2 ·
+    max_queue buffers over all fronts (at least 4 each), so the requests in flight to the
+    learner process follow the queue limit, of max_message_bytes / 8 each (8 MiB by
+    default: a packed B = 4096, H = 128 float32 batch); a request that does not fit goes
+    through the socket (slower, the same result)."""
     return (max(4, -(-2 * options.max_queue // options.front_processes)),
             options.max_message_bytes // 8)
 
 
-def _slot_pool(options: ServerOptions, fd: int | None = None) -> SlotPool:
-    """A front's slot pool: a new one, or the one shared as ``fd``."""
-    return SlotPool(*slot_pool_size(options), fd)
+def _buffer_pool(options: ServerOptions, fd: int | None = None) -> BufferPool:
+    """A front's buffer pool: a new one, or the one shared as ``fd``."""
+    return BufferPool(*buffer_pool_size(options), fd)
 
 
-def _page_lock(server: LearnerServer, slots: SlotPool) -> None:
-    """Let the backend upload straight from ``slots`` (cuda page-locks them)."""
+def _page_lock(server: LearnerServer, buffers: BufferPool) -> None:
+    """Let the backend upload straight from ``buffers`` (cuda page-locks them)."""
     try:
-        server.learner.backend.pin(slots.bytes)
+        server.learner.backend.pin(buffers.bytes)
     except Exception as exc:  # noqa: BLE001 — uploads then go through staging buffers
-        log.warning("cannot page-lock a relay slot pool (%s); uploads are staged", exc)
+        log.warning("cannot page-lock a relay buffer pool (%s); uploads are staged", exc)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -156,11 +179,22 @@ class FrontServer:
     """The public gRPC server of ``--front-processes``; the learner runs in a child process.
 
     ``index`` > 0: one of the other front processes of ``front_processes`` (started by the
-    first, see :func:`front_main`), which joins a running learner process."""
+    first, see :func:`front_main`), which joins the running learner process whose sockets
+    are in ``directory``."""
 
-    def __init__(self, options: ServerOptions, *, index: int = 0):
+    def __init__(self, options: ServerOptions, *, index: int = 0,
+                 directory: Path | None = None):
         self.options, self.index = options, index
-        self._server = grpc_server(options, auth_interceptors(options, on_deny=self._denied),
+        # 0700: the learner's sockets and the shared counts (the other fronts join them)
+        self._dir = Path(tempfile.mkdtemp(prefix="duelq-")) if index == 0 else directory
+        self._counts = SharedCounts(self._dir / COUNTS_FILE, options.front_processes, index,
+                                    create=index == 0)
+        self._stream_places = self._counts.tally("streams", options.max_streams)
+        # The calls at the learner process: max_queue waiting, and the one it steps.
+        self._queue_places = self._counts.tally("queue", options.max_queue + 1)
+        self.gate = make_gate(options, self._counts.tally("rpcs", options.max_rpcs),
+                              self._refused)
+        self._server = grpc_server(options, (self.gate,),
                                    share_port=options.front_processes > 1)
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
                     for name in FORWARDED}
@@ -172,21 +206,17 @@ class FrontServer:
         self.port: int | None = None
         self.broken = threading.Event()
         """Set when the learner process died (not on an orderly stop)."""
-        # 0700: the learner's sockets (the other fronts are given the first one's)
-        self._dir = Path(tempfile.mkdtemp(prefix="duelq-")) if index == 0 else None
         self._relay: RelayFront | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._process = None
         self._conn = None
-        self._slots: SlotPool | None = None
+        self._buffers: BufferPool | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
         self._stop_coming = False   # the first front is stopping the learner process
         self._fronts: list[tuple] = []   # the other front processes: (process, pipe)
         self._reaping = threading.Lock()   # one join at a time: two would race in waitpid
-        # Refused at open, as the one-process server does (the learner process counts too).
-        self._streams = threading.BoundedSemaphore(options.max_streams)
 
     @property
     def target(self) -> str:
@@ -220,7 +250,7 @@ class FrontServer:
         if config.replay_capacity:
             raise InvalidArgument("replay_capacity", "the server-side replay buffer runs with "
                                   "the one-process server only (front_processes 0)")
-        self._slots = slots = _slot_pool(o)
+        self._buffers = buffers = _buffer_pool(o)
         mine, theirs = socket.socketpair()
         self._sock = mine
         ctx = multiprocessing.get_context("spawn")
@@ -232,7 +262,7 @@ class FrontServer:
         self._process.start()
         child.close()
         theirs.close()
-        socket.send_fds(mine, [b"m"], [slots.fd])
+        socket.send_fds(mine, [b"m"], [buffers.fd])
         if not self._conn.poll(START_TIMEOUT_S):
             raise LearnerProcessError(f"the learner process did not start in "
                                       f"{START_TIMEOUT_S:g} s")
@@ -245,7 +275,7 @@ class FrontServer:
             raise CheckpointError(*info)
         if kind != "ready":
             raise LearnerProcessError(info)
-        self._connect(mine, slots)
+        self._connect(mine, buffers)
         self._start_fronts(ctx)
         set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s from %s: learner process %d, backend %s on %s, step %d",
@@ -254,15 +284,15 @@ class FrontServer:
                  info["device"], info["step"])
         return info
 
-    def _connect(self, sock: socket.socket, slots: SlotPool) -> None:
-        """Relay train requests and the small rpcs over ``sock`` (slots in ``slots``) and
-        forward the others (SaveCheckpoint) to the learner process's private socket."""
+    def _connect(self, sock: socket.socket, buffers: BufferPool) -> None:
+        """Relay train requests and the small rpcs over ``sock`` (requests in ``buffers``)
+        and forward the others (SaveCheckpoint) to the learner process's private socket."""
         size = self.options.max_message_bytes
         self._channel = grpc.insecure_channel(f"unix:{self._dir / LEARNER_SOCKET}", options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
-        self._relay = RelayFront(sock, slots, Packer(stream_copy()).pack)
+        self._relay = RelayFront(sock, buffers, Packer(stream_copy()).pack)
         self._relay.on_close = self._learner_gone
 
     def _start_fronts(self, ctx) -> None:
@@ -293,19 +323,19 @@ class FrontServer:
             return
         with self._reaping:
             process.join(0)
+        self._counts.clear(index)   # its calls went with it
         log.error("front process %d (pid %d) exited with code %s: its connections are gone, "
                   "the other fronts serve on", index + 1, process.pid, process.exitcode)
 
-    def join_learner(self, directory: Path) -> None:
+    def join_learner(self) -> None:
         """(Another front process.) Connect to the learner process that the first front
-        started, whose sockets are in ``directory``, and report SERVING."""
+        started and report SERVING."""
         o = self.options
-        self._dir = directory
-        self._slots = slots = _slot_pool(o)
+        self._buffers = buffers = _buffer_pool(o)
         self._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(str(directory / RELAY_SOCKET))
-        socket.send_fds(sock, [b"m"], [slots.fd])
-        self._connect(sock, slots)
+        sock.connect(str(self._dir / RELAY_SOCKET))
+        socket.send_fds(sock, [b"m"], [buffers.fd])
+        self._connect(sock, buffers)
         set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s: front process %d of %d", SERVICE_NAME, self.index + 1,
                  o.front_processes)
@@ -323,8 +353,9 @@ class FrontServer:
 
     def stop(self, grace_s: float | None = None, *,
              learner_drains: bool = True) -> tuple[Path, int] | None:
-        """NOT_SERVING; the learner process drains and writes its final checkpoint; gRPC
-        stops after ``grace_s``.  Returns that checkpoint's (path, step), or None.
+        """NOT_SERVING and no new calls (running ones get ``grace_s``); the learner process
+        drains and writes its final checkpoint.  Returns that checkpoint's (path, step), or
+        None.
 
         Another front process (``index`` > 0) waits, while ``learner_drains``, for the learner
         process to end (its requests are drained too) before it stops gRPC."""
@@ -333,6 +364,7 @@ class FrontServer:
         self._stopping = True
         self.health.enter_graceful_shutdown()
         grace = self.options.grace_s if grace_s is None else grace_s
+        stopped = self._server.stop(grace)   # first, as LearnerServer.stop says why
         saved = failure = None
         try:
             for _, conn in self._fronts:
@@ -355,15 +387,17 @@ class FrontServer:
                 self._sock.close()
             if self._channel is not None:
                 self._channel.close()
-            self._server.stop(grace).wait()
-            if self._slots is not None:   # after the handlers that write into it
-                self._slots.close()
+            stopped.wait()
+            self.gate.close()
+            if self._buffers is not None:   # after the handlers that write into it
+                self._buffers.close()
             for index, (process, _) in enumerate(self._fronts, 2):
                 with self._reaping:
                     process.join(grace + 30)
                     if process.is_alive():
                         log.error("front process %d did not exit: killing it", index)
                         process.kill()
+            self._counts.close()
             if self.index == 0:
                 shutil.rmtree(self._dir, ignore_errors=True)
             log.info("stopped")
@@ -389,88 +423,122 @@ class FrontServer:
 
     # ── rpcs ─────────────────────────────────────────────────────────────────────────
 
+    def _refuse(self, context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+        """Answer ``exc`` as the one-process service would (logged, counted) and end."""
+        code, details = refusal(exc, method, context.peer())
+        self._refused(method, code.name)
+        context.abort(code, details)
+
+    def _refused(self, method: str, code: str) -> None:
+        """Count an rpc refused here in the learner process's metrics, once it runs."""
+        if self._relay is not None:
+            self._relay.report_refusal(method, code)
+
+    def _not_sent(self, context: grpc.ServicerContext, method: str, why: str) -> None:
+        """End the rpc whose request :meth:`FrontStream.submit` did not send, ``why``."""
+        if why == QUEUE_FULL:
+            self._refuse(context, method, ResourceExhausted(queue_full(self.options.max_queue)))
+        if why == LEARNER_GONE:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away; "
+                          "retry with the same keys")
+        context.abort(grpc.StatusCode.CANCELLED, "the call ended")   # closed: it is over
+
     def _open(self, context: grpc.ServicerContext, *, unary: bool) -> FrontStream:
         relay = self._relay
         try:
             if relay is None:
                 raise RelayClosed(_STARTING)
-            stream = relay.open(unary=unary, deadline=_deadline(context))
+            stream = relay.open(unary=unary, deadline=_deadline(context),
+                                queue_places=self._queue_places)
         except RelayClosed as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         # Cancelled or past its deadline: END at once, so requests not started are not
-        # applied (the one-process server's rule) and a wait for a free slot ends.
-        context.add_callback(stream.close)
+        # applied (the one-process server's rule) and a wait for a free buffer ends.
+        if not context.add_callback(stream.close):   # over already
+            stream.close()
         return stream
 
     def _train_step(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         stream = self._open(context, unary=True)
         try:
-            stream.submit(request)
-            stream.done_sending()
-            for code, payload in stream.replies():
-                return _reply_payload(context, code, payload)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away")
+            why = stream.submit(request)
+            if why is not None:
+                self._not_sent(context, "TrainStep", why)
+            kind, reply = stream.inbox.get()
+            if kind == CLOSED:   # the call ended meanwhile
+                context.abort(grpc.StatusCode.CANCELLED, "the call ended")
+            return _reply_payload(context, *reply)
         finally:
             stream.close()
 
     def _train_stream(self, requests: Iterator[bytes],
                       context: grpc.ServicerContext) -> Iterator[bytes]:
-        if not self._streams.acquire(blocking=False):
-            code, details = refusal(ResourceExhausted(too_many_streams(self.options.max_streams)),
-                                    "TrainStream", context.peer())
-            self._refused("TrainStream", code)
-            context.abort(code, details)
+        if not self._stream_places.take():
+            self._refuse(context, "TrainStream",
+                         ResourceExhausted(too_many_streams(self.options.max_streams)))
         try:
-            yield from self._relay_stream(requests, context)
-        finally:
-            self._streams.release()
-
-    def _relay_stream(self, requests: Iterator[bytes],
-                      context: grpc.ServicerContext) -> Iterator[bytes]:
-        stream = self._open(context, unary=False)
-
-        def feed() -> None:   # keeps reading while earlier requests are learned on
+            stream = self._open(context, unary=False)
+            reader = StreamReader(requests, stream.inbox, ahead=STREAM_DEPTH)
             try:
-                for data in requests:
-                    if not stream.submit(data):
-                        break
-            except Exception:  # noqa: BLE001 — the rpc ended (cancelled, aborted, deadline)
-                pass
+                yield from self._relay_stream(stream, reader, context)
             finally:
-                stream.done_sending()
-        threading.Thread(target=feed, name="duelq-front-feed", daemon=True).start()
-        try:
-            for code, payload in stream.replies():
-                yield _reply_payload(context, code, payload)
-            if not self._relay.alive:   # requests may have been dropped unanswered
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the learner process went away; "
-                              "retry with the same keys")
+                reader.close()
+                stream.close()
         finally:
-            stream.close()
+            self._stream_places.give_back()
 
-    def _denied(self, method: str) -> None:
-        """A token refusal of ``method`` (its path): counted for the Learner's rpcs, as the
-        one-process server's metrics count them (not reflection's)."""
-        service, _, name = method.rpartition("/")
-        if service == f"/{SERVICE_NAME}":
-            self._refused(name, grpc.StatusCode.UNAUTHENTICATED)
-
-    def _refused(self, method: str, code: grpc.StatusCode) -> None:
-        """Count an rpc refused here in the learner process's metrics, once it runs."""
-        if self._relay is not None:
-            self._relay.report_refusal(method, code)
+    def _relay_stream(self, stream: FrontStream, reader: StreamReader,
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Send the stream's requests to the learner as ``reader`` reads them and yield
+        their answers in order.  A refusal ends the stream once the answers before it are
+        out; no request is sent after it.  With nothing at the learner and no request for
+        ``receive_timeout_s``, the stream ends UNAVAILABLE, as with one process."""
+        timeout = self.options.receive_timeout_s
+        sent = answered = 0
+        reading, unsent = True, None   # unsent: why a request was not sent; it ends the stream
+        while reading or answered < sent:
+            try:
+                kind, item = stream.inbox.get(timeout=timeout if answered == sent else None)
+            except queue.Empty:
+                self._refuse(context, "TrainStream", StreamIdle(stream_idle(timeout)))
+            if kind == REPLY:
+                answered += 1
+                yield _reply_payload(context, *item)   # a refusal ends the stream here
+                reader.done()
+            elif kind == REQUEST and reading:
+                unsent = stream.submit(item)
+                if unsent is None:
+                    sent += 1
+                else:
+                    reading = False
+                    reader.close()
+            elif kind == END:
+                reading = False
+            elif kind in (FAILED, CLOSED):   # the call was cancelled or has ended
+                return
+        if unsent is not None:
+            self._not_sent(context, "TrainStream", unsent)
 
     def _forward(self, name: str):
         """A handler passing ``name``'s request bytes to the learner process and back: over
-        the relay for the small rpcs (RELAYED_CALLS), else over gRPC."""
+        the relay for the small rpcs (RELAYED_CALLS; those that wait for the learner in one
+        process, QUEUED_CALLS, hold a queue place meanwhile), else over gRPC."""
         if name in RELAYED_CALLS:
             method = RELAYED_CALLS.index(name)
+            queued = name in QUEUED_CALLS
 
             def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
                 if self._relay is None:
                     context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-                reply = self._relay.call(method, request, _deadline(context),
-                                         context.add_callback)
+                if queued and not self._queue_places.take():
+                    self._refuse(context, name,
+                                 ResourceExhausted(queue_full(self.options.max_queue)))
+                try:
+                    reply = self._relay.call(method, request, _deadline(context),
+                                             context.add_callback)
+                finally:
+                    if queued:
+                        self._queue_places.give_back()
                 return _reply_payload(context, *reply)
             return relayed
 
@@ -506,10 +574,10 @@ def front_main(conn, options: ServerOptions, directory: str, log_setup: tuple[st
     setup_logging(*log_setup, role=f"front-{index + 1}")
     for signum in (signal.SIGINT, signal.SIGTERM):   # the first front decides when to stop
         signal.signal(signum, signal.SIG_IGN)
-    front = FrontServer(options, index=index)
+    front = FrontServer(options, index=index, directory=Path(directory))
     try:
         front.start()
-        front.join_learner(Path(directory))
+        front.join_learner()
     except Exception as exc:  # noqa: BLE001 — reported to the first front
         _tell(conn, ("error", f"{type(exc).__name__}: {exc}"))
         front.stop(0, learner_drains=False)
@@ -532,13 +600,14 @@ def front_main(conn, options: ServerOptions, directory: str, log_setup: tuple[st
 def learner_main(conn, sock: socket.socket, config: LearnerConfig, options: ServerOptions,
                  backend: str, address: str, log_setup: tuple[str, str]) -> None:
     """The learner process: a LearnerServer on ``address`` plus the relay's learner end.  On
-    its way out it removes its sockets and their folder, which a killed front cannot."""
+    its way out it removes its sockets, the fronts' counts and their folder, which a killed
+    front cannot."""
     path = Path(address.removeprefix("unix:"))
     try:
         _serve_relayed(conn, sock, config, options, backend, address, log_setup)
     finally:
-        path.unlink(missing_ok=True)
-        (path.parent / RELAY_SOCKET).unlink(missing_ok=True)
+        for name in (LEARNER_SOCKET, RELAY_SOCKET, COUNTS_FILE):
+            (path.parent / name).unlink(missing_ok=True)
         try:
             path.parent.rmdir()   # only if empty: nothing else is removed
         except OSError:
@@ -570,7 +639,7 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-    slots = _slot_pool(options, fds[0])
+    buffers = _buffer_pool(options, fds[0])
     private = replace(options, token="", token_file="", tls_cert="", tls_key="",
                       tls_client_ca="", front_processes=0)
     server = LearnerServer(private)
@@ -585,62 +654,11 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         _tell(conn, ("error", str(exc)))
         server.stop(0)
         return
-    service, metrics = server.service, server.metrics
-    _page_lock(server, slots)
-
-    def apply(job: TrainJob, call) -> bytes:
-        response = service.apply_train(job, call, encoded=True)
-        if metrics is not None:   # the latency from the request's arrival in this process
-            metrics.observe_answer(response, call.arrived)
-        return response.SerializeToString()
-
-    def refused(method: str, code: str) -> None:   # here, or by the front (token, max_streams)
-        if metrics is not None:
-            metrics.refused.labels(method, code).inc()
-
-    def refuse(exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
-        name = "TrainStep" if unary else "TrainStream"
-        code, details = refusal(exc, name, "relay")
-        refused(name, code.name)
-        return code, details
-
-    def call(method: int, request: bytes, context) -> tuple[grpc.StatusCode, bytes]:
-        if not 0 <= method < len(RELAYED_CALLS):
-            return grpc.StatusCode.UNIMPLEMENTED, f"no relayed method {method}".encode()
-        name = RELAYED_CALLS[method]
-        try:
-            return grpc.StatusCode.OK, service.call_relayed(name, request, context)
-        except Exception as exc:  # noqa: BLE001 — answered, as the gRPC server would
-            code, details = refusal(exc, name, "relay")
-            refused(name, code.name)
-            return code, details.encode()
-
-    def open_stream() -> None:
-        service.open_stream()
-        if metrics is not None:
-            metrics.active_streams.inc()
-
-    def close_stream() -> None:
-        service.close_stream()
-        if metrics is not None:
-            metrics.active_streams.dec()
-
-    counters: list = []   # duelq_relayed_requests of each front, by index
-
-    def relayed(index: int) -> None:
-        if metrics is not None:
-            while len(counters) <= index:
-                counters.append(metrics.relayed.labels(str(len(counters) + 1)))
-            counters[index].inc()
-
-    relay = RelayLearner(sock, slots, service.relay_prepare, apply, refuse,
-                         open_stream=open_stream, close_stream=close_stream,
-                         prepare_packed=service.relay_prepare_packed, call=call,
-                         depth=metrics.queue_depth if metrics is not None else None,
-                         refused=refused, relayed=relayed)
+    _page_lock(server, buffers)
+    relay = RelayLearner(sock, buffers, RelayedService(server.service, server.metrics))
     relay.start()
     listener = None
-    if options.front_processes > 1:   # the other fronts connect here, each with its slots
+    if options.front_processes > 1:   # the other fronts connect here, each with its buffers
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(Path(address.removeprefix("unix:")).parent / RELAY_SOCKET))
         listener.listen()
@@ -673,12 +691,74 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         except OSError:
             pass
         listener.close()
-    relay.close()   # the slot pools (page-locked on cuda) go with the process
+    relay.close()   # the buffer pools (page-locked on cuda) go with the process
+
+
+class RelayedService:
+    """The learner process's side of the relay (relay.RelayService): the service's work on
+    each relayed request, and the metrics the one-process server's interceptor keeps."""
+
+    def __init__(self, service: LearnerService, metrics: Metrics | None):
+        self._service, self._metrics = service, metrics
+        self._relayed: list = []   # duelq_relayed_requests of each front, by index
+
+    def prepare(self, request: memoryview, unary: bool) -> TrainJob:
+        return self._service.relay_prepare(request, unary)
+
+    def prepare_packed(self, packed: PackedBatch, key: bytes) -> TrainJob:
+        return self._service.relay_prepare_packed(packed, key)
+
+    def apply(self, job: TrainJob, call: RelayCall) -> bytes:
+        response = self._service.apply_train(job, call, encoded=True)
+        if self._metrics is not None:   # the latency from the request's arrival here
+            self._metrics.observe_answer(response, call.arrived)
+        return response.SerializeToString()
+
+    def refusal(self, exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
+        name = "TrainStep" if unary else "TrainStream"
+        code, details = refusal(exc, name, "relay")
+        self.front_refused(name, code.name)
+        return code, details
+
+    def call(self, method: int, request: bytes, call: RelayCall
+             ) -> tuple[grpc.StatusCode, bytes]:
+        if not 0 <= method < len(RELAYED_CALLS):
+            return grpc.StatusCode.UNIMPLEMENTED, f"no relayed method {method}".encode()
+        name = RELAYED_CALLS[method]
+        try:
+            return grpc.StatusCode.OK, self._service.call_relayed(name, request, call)
+        except Exception as exc:  # noqa: BLE001 — answered, as the gRPC server would
+            code, details = refusal(exc, name, "relay")
+            self.front_refused(name, code.name)
+            return code, details.encode()
+
+    def received(self, front: int) -> None:
+        if self._metrics is not None:
+            while len(self._relayed) <= front:
+                self._relayed.append(self._metrics.relayed.labels(str(len(self._relayed) + 1)))
+            self._relayed[front].inc()
+            self._metrics.queue_depth.inc()
+
+    def answered(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.dec()
+
+    def stream_opened(self) -> None:
+        if self._metrics is not None:
+            self._metrics.active_streams.inc()
+
+    def stream_closed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.active_streams.dec()
+
+    def front_refused(self, method: str, code: str) -> None:
+        if self._metrics is not None:
+            self._metrics.count_refusal(method, code)
 
 
 def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: ServerOptions,
                    server: LearnerServer) -> None:
-    """Attach each of the other front processes as it connects, with the slot pool it sends
+    """Attach each of the other front processes as it connects, with the buffer pool it sends
     (``front_processes`` − 1 of them; then the listener closes)."""
     joined = 0
     while joined < options.front_processes - 1:
@@ -688,13 +768,13 @@ def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: Server
             return
         try:
             _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-            slots = _slot_pool(options, fds[0])
+            buffers = _buffer_pool(options, fds[0])
         except (OSError, IndexError, ValueError) as exc:
             log.warning("a front process's relay connection failed: %s", exc)
             sock.close()
             continue
-        _page_lock(server, slots)
-        log.info("front process %d joined the relay", relay.attach(sock, slots) + 1)
+        _page_lock(server, buffers)
+        log.info("front process %d joined the relay", relay.attach(sock, buffers) + 1)
         joined += 1
     listener.close()
 

@@ -2,17 +2,18 @@
 
 With ``--front-processes`` the learner process's one relay thread is the server's serial
 path (server/fronts/relay.py).  A request's bytes pass through a front anyway, so the front
-writes the request's arrays into its relay slot already in the step kernel's packed input
+writes the request's arrays into its relay buffer already in the step kernel's packed input
 layout (:func:`duelq.server.core.batch.packed_layout`) and sends a descriptor: the learner
-parses nothing and copies the slot's words to the device in one call
+parses nothing and copies the buffer's words to the device in one call
 (:class:`duelq.server.core.batch.PackedBatch`).
 
 A request packs when its framing is canonical (server/framing.py) and its fields have dtypes
 and shapes every learner takes as they are: h_t and h_tp1 [B, H] of one feature dtype,
 actions int32 [B], rewards, dones, discounts and (optional) weights float32 [B], and a key
 that parses.  Anything else goes as it came, to the learner's own checks and refusals (the
-learner packs it on the host: the device sees one input form).  The learner checks what a
-front cannot know (H, the batch size limit) and words a refusal as for the unpacked bytes.
+learner packs it on the host: the device sees one input form; relay.py says why that
+path stays).  The learner checks what a front cannot know (H, the batch size limit) and
+words a refusal as for the unpacked bytes.
 The front learns once per wire layout whether and where its requests pack.
 
 The descriptor (a PACKED frame's payload): B, H, the features' dtype (an index into
@@ -111,23 +112,23 @@ def _plan(data: bytes) -> tuple[object, _Plan | None]:
 
 
 class Packer:
-    """A front process's packing of train requests into relay slots (thread-safe).
+    """A front process's packing of train requests into relay buffers (thread-safe).
 
-    ``stream_copy`` (server/native.py's): where :meth:`pack` is given the slot's address and
+    ``stream_copy`` (server/core/native.py's): where :meth:`pack` is given the buffer's address and
     the request as ``bytes``, arrays of :data:`STREAM_MIN_BYTES` or more are written with
     non-temporal stores, which leave the caches shared with the learner process's thread
-    alone (only the device's copy engine reads a slot)."""
+    alone (only the device's copy engine reads a buffer)."""
 
     def __init__(self, stream_copy: Callable[[int, bytes, int, int], None] | None = None):
         self._plans: dict[object, _Plan | None] = {}   # by wire layout
         self._lock = threading.Lock()
         self._stream_copy = stream_copy
 
-    def pack(self, data: bytes, slot: np.ndarray, address: int | None = None) -> bytes | None:
-        """Write request ``data``'s arrays into ``slot`` (uint8; ``address``, when given,
-        must be where ``slot`` starts: the large arrays then go through the stream copy) in
+    def pack(self, data: bytes, buffer: np.ndarray, address: int | None = None) -> bytes | None:
+        """Write request ``data``'s arrays into ``buffer`` (uint8; ``address``, when given,
+        must be where ``buffer`` starts: the large arrays then go through the stream copy) in
         the packed layout and return the descriptor to send, with the key's canonical bytes;
-        None (``slot`` left as it was) when the request does not pack, or does not fit."""
+        None (``buffer`` left as it was) when the request does not pack, or does not fit."""
         layout = known_layout(data)
         plan = self._plans.get(layout, False) if layout is not None else False
         if plan is False:   # a layout not seen here
@@ -137,7 +138,7 @@ class Packer:
                     if len(self._plans) >= MAX_LAYOUTS:
                         del self._plans[next(iter(self._plans))]   # the oldest
                     self._plans[layout] = plan
-        if plan is None or plan.nbytes > slot.size:
+        if plan is None or plan.nbytes > buffer.size:
             return None
         key = b""
         if layout.key is not None:   # (start, stop) of the key's bytes
@@ -149,7 +150,7 @@ class Packer:
         # Copied holding the GIL: a copy that lets it go (NumPy's, past 500 elements) must
         # then wait for the front's busy gRPC threads to give it back, up to the switch
         # interval (5 ms) each time.
-        source, target = memoryview(data), slot.data
+        source, target = memoryview(data), buffer.data
         stream = (self._stream_copy if address is not None and type(data) is bytes
                   else None)
         for start, at, n in plan.copies:   # in bounds: the layout is one of len(data)

@@ -1,33 +1,45 @@
-"""The hand-over of rpcs from the front process to the learner process.
+"""The hand-over of rpcs from the front processes to the learner process.
 
-With ``--front-processes`` the gRPC server runs in one process and the learner in
-another, so gRPC's per-message Python work and the learner's (parse, checks,
-copy, launch, encode) no longer share one GIL.  Request bytes travel through a
-shared-memory slot pool (a memfd, so Docker's 64 MiB /dev/shm is no limit); a
-Unix socket pair carries fixed-size frames:
+With ``--front-processes`` the gRPC server runs in front processes and the learner in
+another, so gRPC's per-message Python work and the learner's (checks, copy, launch,
+encode) no longer share one GIL.  Request bytes travel through a pool of shared-memory
+buffers (a memfd, so Docker's 64 MiB /dev/shm is no limit); a Unix socket pair per front
+carries fixed-size frames:
 
     front → learner   OPEN  stream, unary flag
-                      REQ   stream, slot (-1: the bytes follow inline), size, deadline
-                      PACKED  stream, slot, size, deadline, then the descriptor (size bytes):
-                            the slot holds the request's arrays, packed by the front
-                            (server/packing.py)
+                      PACKED  stream, buffer, size, deadline, then the descriptor (size
+                            bytes): the buffer holds the request's arrays, packed by the
+                            front (server/fronts/packing.py)
+                      REQ   stream, buffer (INLINE − buffer: the bytes follow the frame),
+                            size, deadline: a request as it came, which the learner parses
                       END   stream: the rpc is over; requests not started are not applied
                       REFUSED  size, then "method code" (UTF-8): an rpc the front itself
-                            refused (token, max_streams), for the learner's metrics
+                            refused (token, limits), for the learner's metrics
                       CALL  call id, method, size, deadline, then the request's bytes: a
                             small rpc (Act, GetWeights …), relayed whole
-    learner → front   REPLY stream (or call id), slot (NO_SLOT for a CALL), status code,
+    learner → front   REPLY stream (or call id), buffer (NO_BUFFER for a CALL), status code,
                       size, then the payload (the response's bytes, or the error details
                       as UTF-8)
 
-Every REQ gets exactly one REPLY, in order within its stream; the front gives a
-slot back only on its REPLY, so the learner reads the bytes in place.  Every CALL gets
-one REPLY too, between two steps (not behind the train requests queued before it).  With several
-front processes (``--front-processes``) each has its own socket and slot pool, and
-stream ids are each front's own.  The learner
-takes requests in arrival order on one thread, which reads every front's frames, checks
-each request and starts its copy to the device before it steps the one before
+PACKED is the usual request.  REQ stays for the requests a front cannot pack, which the
+learner process must see as they came: those it will refuse (so the one service code
+words the refusal, in its order of checks: drain and key before the arrays), those in a
+wire form that needs converting (non-canonical framing, uint8 actions, bool dones,
+float16 rewards …: the learner's own decode does that, not a second copy of it in the
+front), and those larger than a buffer (sent inline: buffers are sized for the common
+batch, max_message_bytes / 8, since each front has 2 · max_queue / fronts of them).
+
+Every request gets exactly one REPLY, in order within its stream; the front gives a
+buffer back only on its REPLY, so the learner reads the bytes in place.  Every CALL gets
+one REPLY too, between two steps (not behind the train requests queued before it).  Each
+front has its own socket and buffer pool, and stream ids are each front's own.  The
+learner takes requests in arrival order on one thread, which reads every front's frames,
+checks each request and starts its copy to the device before it steps the one before
 (:class:`RelayLearner`).
+
+A front counts, per stream, the requests at the learner: a stream with any there holds
+one of the server's ``max_queue`` places (shared by the fronts), as a call waiting for the
+learner does in one process.
 """
 
 from __future__ import annotations
@@ -42,23 +54,25 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import grpc
 import numpy as np
 
 from duelq.server.core.batch import PackedBatch
 from duelq.server.fronts.packing import read_packed
+from duelq.server.gate import Tally
 
 log = logging.getLogger(__name__)
 
 OPEN, REQ, END, REFUSED, PACKED, CALL = 1, 2, 3, 4, 5, 6
-_FRAME = struct.Struct("<BxxxIiId")     # op, stream, slot, size, deadline (0: none)
-_REPLY = struct.Struct("<IiII")         # stream, slot, status code value, size
+_FRAME = struct.Struct("<BxxxIiId")     # op, stream, buffer, size, deadline (0: none)
+_REPLY = struct.Struct("<IiII")         # stream, buffer, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 INLINE = -1
-NO_SLOT = -(1 << 31)   # a CALL's REPLY: no slot to give back
+NO_BUFFER = -(1 << 31)   # a CALL's REPLY: no buffer to give back
 _GONE = b"the learner process went away; retry (a keyed request with the same key)"
+_STOPPING = b"the learner process is stopping; retry with the same key"
 MAX_STREAM_ID = (1 << 32) - 1
 
 
@@ -66,8 +80,8 @@ class RelayClosed(Exception):
     """The other process went away."""
 
 
-class SlotPool:
-    """``count`` slots of ``size`` bytes in one shared mapping (a memfd)."""
+class BufferPool:
+    """``count`` buffers of ``size`` bytes in one shared mapping (a memfd)."""
 
     def __init__(self, count: int, size: int, fd: int | None = None):
         self.count, self.size = count, size
@@ -80,24 +94,25 @@ class SlotPool:
         self._base = self.bytes.ctypes.data
         self.view = memoryview(self._map)
 
-    def slot(self, index: int, n: int) -> memoryview:
+    def buffer(self, index: int, n: int) -> memoryview:
+        """The first ``n`` bytes of buffer ``index``."""
         return self.view[index * self.size: index * self.size + n]
 
     def array(self, index: int) -> np.ndarray:
-        """Slot ``index``'s bytes, uint8."""
+        """Buffer ``index``'s bytes, uint8."""
         return self.bytes[index * self.size:(index + 1) * self.size]
 
     def address(self, index: int) -> int:
-        """Host address of slot ``index``'s first byte."""
+        """Host address of buffer ``index``'s first byte."""
         return self._base + index * self.size
 
     def write(self, index: int, data: bytes) -> None:
         if not 0 <= index < self.count or len(data) > self.size:
-            raise ValueError(f"{len(data)} bytes into slot {index}: the pool has {self.count} "
-                             f"slots of {self.size} bytes")
+            raise ValueError(f"{len(data)} bytes into buffer {index}: the pool has "
+                             f"{self.count} buffers of {self.size} bytes")
         start = index * self.size
-        # Holding the GIL, as the Packer copies (server/packing.py): a copy that let it go
-        # would wait for the front's busy threads to give it back.
+        # Holding the GIL, as the Packer copies (server/fronts/packing.py): a copy that let
+        # it go would wait for the front's busy threads to give it back.
         self.view[start:start + len(data)] = data
 
     def close(self) -> None:
@@ -130,74 +145,96 @@ def _recv_exact(rfile, n: int) -> bytes:
 
 # ── front side ───────────────────────────────────────────────────────────────────────
 
+#: What a :class:`FrontStream` puts in its inbox: ``(REPLY, (code, payload))`` for each
+#: request (UNAVAILABLE for all left once the learner process is gone), and
+#: ``(CLOSED, None)`` once the stream is closed (the rpc is over).
+REPLY, CLOSED = "reply", "closed"
+#: Why :meth:`FrontStream.submit` did not send a request.
+QUEUE_FULL, STREAM_CLOSED, LEARNER_GONE = "queue full", "stream closed", "learner gone"
+
 
 class FrontStream:
-    """One rpc's requests towards the learner and their replies, in order."""
+    """One rpc's requests towards the learner; their replies arrive in :attr:`inbox`, in
+    order (the handler may put its own items there too, gate.StreamReader's)."""
 
-    def __init__(self, relay: "RelayFront", sid: int, deadline: float | None):
+    def __init__(self, relay: "RelayFront", sid: int, deadline: float | None,
+                 queue_places: Tally | None):
         self._relay, self.sid = relay, sid
         self._deadline = deadline or 0.0
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0          # sent, not answered
-        self._sending = True       # more requests may come
-        self._lock = threading.Lock()
-        self._order = threading.Lock()   # no REQ frame after this stream's END
+        self._queue = queue_places   # None: not counted
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._at_learner = 0             # requests sent, not answered
+        self._lock = threading.Lock()    # guards _at_learner
+        self._order = threading.Lock()   # no request frame after this stream's END
         self.closed = False
 
-    def submit(self, data: bytes) -> bool:
-        """Send one request; False when the stream is closed (the request is dropped)."""
-        slot = self._relay.take_slot(self)
-        if slot is None:
-            return False
+    def submit(self, data: bytes) -> str | None:
+        """Send one request towards the learner; None, or why it was not sent:
+        QUEUE_FULL (no request of this stream is at the learner and ``max_queue`` other
+        calls' are), STREAM_CLOSED or LEARNER_GONE.  Waits while every buffer is in use."""
+        with self._lock:
+            if self.closed:
+                return STREAM_CLOSED
+            if self._at_learner == 0 and self._queue is not None and not self._queue.take():
+                return QUEUE_FULL
+            self._at_learner += 1
+        buffer = self._relay.take_buffer(self)
+        if buffer is None:
+            self._answered()
+            return STREAM_CLOSED if self.closed else LEARNER_GONE
         with self._order:
             if self.closed:
-                self._relay.give_back(slot)
-                return False
-            with self._lock:
-                self._pending += 1
+                self._relay.give_back(buffer)
+                self._answered()
+                return STREAM_CLOSED
             try:
-                self._relay.send_request(self.sid, slot, data, self._deadline)
+                self._relay.send_request(self.sid, buffer, data, self._deadline)
             except RelayClosed:
-                self._replies.put((grpc.StatusCode.UNAVAILABLE,
-                                   b"the learner process went away"))
-        return True
+                self._answered()
+                return LEARNER_GONE
+        return None
 
-    def done_sending(self) -> None:
+    def _answered(self) -> None:
+        """One request less at the learner: the stream's queue place goes back with its
+        last."""
         with self._lock:
-            self._sending = False
-        self._replies.put(None)
+            if self._at_learner == 0:   # closed meanwhile: the place is back already
+                return
+            self._at_learner -= 1
+            if self._at_learner == 0 and self._queue is not None:
+                self._queue.give_back()
 
     def deliver(self, code: grpc.StatusCode, payload: bytes) -> None:
-        self._replies.put((code, payload))
+        """A reply came (the relay's reader thread)."""
+        self._answered()
+        self.inbox.put((REPLY, (code, payload)))
 
-    def replies(self) -> Iterator[tuple[grpc.StatusCode, bytes]]:
-        """(code, payload) per request, in order; ends when no more can come, or when the
-        stream is closed (its replies then only give their slots back)."""
-        while True:
-            with self._lock:
-                if self.closed or (not self._sending and self._pending == 0):
-                    return
-            item = self._replies.get()
-            if item is None:
-                continue
-            with self._lock:
-                self._pending -= 1
-            yield item
+    def lost(self) -> None:
+        """The learner process went away: its requests will never be answered."""
+        self._release_queue()
+        self.inbox.put((REPLY, (grpc.StatusCode.UNAVAILABLE, _GONE)))
+
+    def _release_queue(self) -> None:
+        with self._lock:
+            if self._at_learner and self._queue is not None:
+                self._queue.give_back()
+            self._at_learner = 0
 
     def close(self) -> None:
         """End the stream (idempotent; also the rpc's termination callback): requests not
-        yet started are not applied."""
+        yet started are not applied, and the stream's queue place goes back at once."""
         with self._order:
             if self.closed:
                 return
             self.closed = True
-        self._replies.put(None)   # wakes replies(), which then ends
+        self._release_queue()
+        self.inbox.put((CLOSED, None))
         self._relay.end(self)
 
 
-#: Writes a request's arrays into a slot (uint8, at the given host address) in the packed
+#: Writes a request's arrays into a buffer (uint8, at the given host address) in the packed
 #: layout and returns the descriptor to send, or None (or a raise) to send the request as it
-#: came (server/packing.py's Packer).
+#: came (server/fronts/packing.py's Packer).
 Pack = Callable[[bytes, np.ndarray, int], "bytes | None"]
 
 
@@ -210,6 +247,9 @@ class _Answer:
     def deliver(self, code: grpc.StatusCode, payload: bytes) -> None:
         self._replies.put((code, payload))
 
+    def lost(self) -> None:
+        self.deliver(grpc.StatusCode.UNAVAILABLE, _GONE)
+
     def get(self, timeout: float | None) -> tuple[grpc.StatusCode, bytes] | None:
         """The reply; None if none came within ``timeout`` seconds (None: no limit)."""
         try:
@@ -219,30 +259,33 @@ class _Answer:
 
 
 class RelayFront:
-    """The front process's end: submits requests (packed by ``pack`` where it can) and
+    """A front process's end: submits requests (packed by ``pack`` where it can) and
     routes the learner's replies."""
 
-    def __init__(self, sock: socket.socket, slots: SlotPool, pack: Pack | None = None):
-        self._sock, self.slots, self._pack = sock, slots, pack
+    def __init__(self, sock: socket.socket, buffers: BufferPool, pack: Pack | None = None):
+        self._sock, self.buffers, self._pack = sock, buffers, pack
         self._pack_failed = False
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for i in range(slots.count):
+        for i in range(buffers.count):
             self._free.put(i)
         self._send_lock = threading.Lock()
         self._streams: dict[int, FrontStream | _Answer] = {}   # by stream or call id
         self._last_id = 0              # stream ids: 1 … 2**32 − 1 (a frame's 32 bits), again
         self._ids_lock = threading.Lock()
         self.alive = True
-        self.closed = threading.Event()   # set with alive = False
+        self.closed = threading.Event()   # set with alive = False, once every stream is told
         self.on_close: Callable[[], None] = lambda: None
         self._reader = threading.Thread(target=self._read_replies, name="duelq-relay-front",
                                         daemon=True)
         self._reader.start()
 
-    def open(self, *, unary: bool, deadline: float | None) -> FrontStream:
+    def open(self, *, unary: bool, deadline: float | None,
+             queue_places: Tally | None = None) -> FrontStream:
+        """A new stream; ``queue_places``: the server's ``max_queue`` places, one held
+        while any of its requests is at the learner (None: not counted)."""
         with self._ids_lock:
             sid = self._new_id()
-            stream = self._streams[sid] = FrontStream(self, sid, deadline)
+            stream = self._streams[sid] = FrontStream(self, sid, deadline, queue_places)
         try:
             self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
         except RelayClosed:
@@ -288,7 +331,7 @@ class RelayFront:
             self._streams.pop(sid, None)
         return grpc.StatusCode.UNAVAILABLE, _GONE
 
-    def _cancel(self, sid: int, answer: "_Answer") -> None:
+    def _cancel(self, sid: int, answer: _Answer) -> None:
         """End call ``sid`` on the learner's side (not run if not yet), unless answered."""
         if self._streams.get(sid) is answer and self.alive:
             try:
@@ -296,8 +339,8 @@ class RelayFront:
             except RelayClosed:
                 pass
 
-    def take_slot(self, stream: FrontStream) -> int | None:
-        """A free slot (waits while all are in use); None if the stream or relay closed."""
+    def take_buffer(self, stream: FrontStream) -> int | None:
+        """A free buffer (waits while all are in use); None if the stream or relay closed."""
         while not stream.closed and self.alive:
             try:
                 return self._free.get(timeout=0.1)
@@ -305,32 +348,33 @@ class RelayFront:
                 continue
         return None
 
-    def give_back(self, slot: int) -> None:
-        self._free.put(slot)
+    def give_back(self, buffer: int) -> None:
+        self._free.put(buffer)
 
-    def send_request(self, sid: int, slot: int, data: bytes, deadline: float) -> None:
+    def send_request(self, sid: int, buffer: int, data: bytes, deadline: float) -> None:
         descriptor = None
         if self._pack is not None:
             try:
-                descriptor = self._pack(data, self.slots.array(slot), self.slots.address(slot))
+                descriptor = self._pack(data, self.buffers.array(buffer),
+                                        self.buffers.address(buffer))
             except Exception:  # noqa: BLE001 — a packing fault: the bytes go as they came
                 if not self._pack_failed:   # once: it may fail for every request
                     self._pack_failed = True
                     log.exception("packing a request of stream %d failed; it and any "
                                   "other that fails so go unpacked", sid)
         if descriptor is not None:
-            self._send(_FRAME.pack(PACKED, sid, slot, len(descriptor), deadline), descriptor)
-        elif len(data) <= self.slots.size:
-            self.slots.write(slot, data)
-            self._send(_FRAME.pack(REQ, sid, slot, len(data), deadline))
-        else:  # larger than a slot: inline (the slot still counts the request in flight)
-            self._send(_FRAME.pack(REQ, sid, INLINE - slot, len(data), deadline), data)
+            self._send(_FRAME.pack(PACKED, sid, buffer, len(descriptor), deadline), descriptor)
+        elif len(data) <= self.buffers.size:
+            self.buffers.write(buffer, data)
+            self._send(_FRAME.pack(REQ, sid, buffer, len(data), deadline))
+        else:  # larger than a buffer: inline (the buffer still counts the request in flight)
+            self._send(_FRAME.pack(REQ, sid, INLINE - buffer, len(data), deadline), data)
 
-    def report_refusal(self, method: str, code: grpc.StatusCode) -> None:
-        """Count an rpc the front refused in the learner's metrics (dropped when the learner
-        process is gone)."""
+    def report_refusal(self, method: str, code: str) -> None:
+        """Count an rpc the front refused (``code``: the status code's name) in the
+        learner's metrics (dropped when the learner process is gone)."""
         if self.alive:
-            payload = f"{method} {code.name}".encode()
+            payload = f"{method} {code}".encode()
             try:
                 self._send(_FRAME.pack(REFUSED, 0, 0, len(payload), 0.0), payload)
             except RelayClosed:
@@ -355,10 +399,10 @@ class RelayFront:
         rfile = self._sock.makefile("rb", buffering=1 << 16)
         try:
             while True:
-                sid, slot, code, n = _REPLY.unpack(_recv_exact(rfile, _REPLY.size))
+                sid, buffer, code, n = _REPLY.unpack(_recv_exact(rfile, _REPLY.size))
                 payload = _recv_exact(rfile, n) if n else b""
-                if slot != NO_SLOT:
-                    self._free.put(slot if slot >= 0 else INLINE - slot)
+                if buffer != NO_BUFFER:
+                    self._free.put(buffer if buffer >= 0 else INLINE - buffer)
                 stream = self._streams.get(sid)
                 if stream is not None:
                     stream.deliver(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload)
@@ -366,9 +410,9 @@ class RelayFront:
             pass
         finally:
             self.alive = False
-            self.closed.set()
             for stream in list(self._streams.values()):
-                stream.deliver(grpc.StatusCode.UNAVAILABLE, _GONE)
+                stream.lost()
+            self.closed.set()
             self.on_close()
 
     def close(self) -> None:
@@ -417,74 +461,84 @@ class RelayCall:
         return "relay"
 
 
-class _Front:
-    """One front process's connection: its socket and slot pool."""
+class Job(Protocol):
+    def close(self) -> None: ...
 
-    def __init__(self, index: int, sock: socket.socket, slots: SlotPool):
-        self.index, self.sock, self.slots = index, sock, slots
+
+class RelayService(Protocol):
+    """What the relay asks of the learner process (front.py's ``RelayedService``): the
+    service's work on each request, and what the metrics count."""
+
+    def prepare(self, request: memoryview, unary: bool) -> Job:
+        """Check a request sent as it came and start its copy to the device; raises to
+        refuse it."""
+
+    def prepare_packed(self, packed: PackedBatch, key: bytes) -> Job:
+        """The same for a request the front packed (its key's wire bytes given)."""
+
+    def apply(self, job: Job, call: RelayCall) -> bytes:
+        """Step a prepared request: the response's bytes; raises to refuse it."""
+
+    def refusal(self, exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
+        """The status code and details a refusal is answered with."""
+
+    def call(self, method: int, request: bytes, call: RelayCall
+             ) -> tuple[grpc.StatusCode, bytes]:
+        """Run a small rpc relayed whole: (code, the response's bytes or the details)."""
+
+    def received(self, front: int) -> None:
+        """A train request came from front ``front``."""
+
+    def answered(self) -> None:
+        """A train request was answered."""
+
+    def stream_opened(self) -> None:
+        """A TrainStream opened."""
+
+    def stream_closed(self) -> None:
+        """A TrainStream closed."""
+
+    def front_refused(self, method: str, code: str) -> None:
+        """A front refused an rpc itself (its REFUSED frame)."""
+
+
+class _Front:
+    """One front process's connection: its socket and buffer pool."""
+
+    def __init__(self, index: int, sock: socket.socket, buffers: BufferPool):
+        self.index, self.sock, self.buffers = index, sock, buffers
         self.fd = -1                # its descriptor, as watched (the socket may close first)
         self.unread = bytearray()   # bytes received and not yet framed
 
 
 class _LearnerStream:
-    __slots__ = ("front", "sid", "unary", "outstanding", "ended", "failed", "admitted")
+    __slots__ = ("front", "sid", "unary", "outstanding", "ended", "failed")
 
     def __init__(self, front: _Front, sid: int, unary: bool):
         self.front, self.sid, self.unary = front, sid, unary
         self.outstanding = 0            # requests received, not answered
-        self.ended = self.admitted = False
-        self.failed: tuple[grpc.StatusCode, bytes] | None = None
+        self.ended = False              # its front ended it: nothing more of it is applied
+        self.failed: tuple[grpc.StatusCode, bytes] | None = None   # every later answer
 
 
 class _Item:
     """One relayed request on its way through the relay: received, prepared, answered."""
 
-    __slots__ = ("stream", "slot", "data", "deadline", "packed", "arrived", "job", "error")
+    __slots__ = ("stream", "buffer", "data", "deadline", "packed", "arrived", "job", "error")
 
-    def __init__(self, stream: _LearnerStream, slot: int, data: memoryview, deadline: float,
+    def __init__(self, stream: _LearnerStream, buffer: int, data: memoryview, deadline: float,
                  packed: bytes | None):
-        self.stream, self.slot, self.data, self.deadline = stream, slot, data, deadline
-        self.packed = packed   # a packed request's descriptor (data: its slot), else None
+        self.stream, self.buffer, self.data, self.deadline = stream, buffer, data, deadline
+        self.packed = packed   # a packed request's descriptor (data: its buffer), else None
         self.arrived = time.perf_counter()
         self.job: Job | None = None
         self.error: Exception | None = None
 
 
-class Job(Protocol):
-    def close(self) -> None: ...
-
-
-class Gauge(Protocol):
-    def inc(self) -> None: ...
-
-    def dec(self) -> None: ...
-
-
-#: Checks a request and starts it towards the device: (request bytes, unary) → a job;
-#: raises to refuse the request.
-Prepare = Callable[[memoryview, bool], Job]
-#: Checks a request that the front packed and starts it towards the device: (the packed
-#: batch, its key's wire bytes) → a job; raises to refuse the request.
-PreparePacked = Callable[[PackedBatch, bytes], Job]
-#: Steps a prepared job: (job, call) → response bytes; raises to refuse the request.
-Apply = Callable[[Job, RelayCall], bytes]
-#: Turns an exception into (status code, details), given unary.
-Refusal = Callable[[Exception, bool], tuple[grpc.StatusCode, str]]
-#: Runs a small rpc relayed whole: (method index, request bytes, call) → (code, payload).
-Call = Callable[[int, bytes, RelayCall], tuple[grpc.StatusCode, bytes]]
-
 #: Requests prepared ahead of the one being stepped: its copy to the device then overlaps
 #: that step.  With the one stepping, within the CUDA backend's upload buffers
 #: (cuda.UPLOAD_BUFFERS), so no request's batch is packed at its step.
 AHEAD = 1
-
-
-def _no_packed(packed: PackedBatch, key: bytes) -> Job:
-    raise RuntimeError("a packed request reached a relay that takes none")
-
-
-def _no_calls(method: int, request: bytes, call: RelayCall) -> tuple[grpc.StatusCode, bytes]:
-    return grpc.StatusCode.UNIMPLEMENTED, b"this relay takes no small rpcs"
 
 
 class RelayLearner:
@@ -493,29 +547,20 @@ class RelayLearner:
     to the device, then steps the one before and replies, so each request's copy overlaps
     the step before it.  One thread, not one per stream or per front nor a reader handing
     over to a stepper: a request crosses no thread hand-over, and no second busy thread
-    takes the GIL between its parts.  A stream's requests
-    are answered in its order, and none after its first refusal is applied.
+    takes the GIL between its parts.  A stream's requests are answered in its order, and
+    none after its first refusal is applied.  ``service`` does the work on each request
+    (:class:`RelayService`).
 
-    ``sock`` and ``slots`` are the first front's; :meth:`attach` adds more fronts.  When
-    the first front's connection closes, the relay drains and ends; when another's does,
-    only that front's streams end."""
+    ``sock`` and ``buffers`` are the first front's; :meth:`attach` adds more fronts.  When
+    the first front's connection closes, the learner process is stopping: the relay
+    answers what it holds (UNAVAILABLE for the other fronts' requests: their clients retry
+    elsewhere or later) and ends.  When another front's closes, only its streams end."""
 
-    def __init__(self, sock: socket.socket, slots: SlotPool, prepare: Prepare, apply: Apply,
-                 refuse: Refusal, *, open_stream: Callable[[], None],
-                 close_stream: Callable[[], None], prepare_packed: PreparePacked | None = None,
-                 call: Call | None = None, depth: Gauge | None = None,
-                 refused: Callable[[str, str], None] = lambda method, code: None,
-                 relayed: Callable[[int], None] = lambda front: None):
-        self._fronts = [_Front(0, sock, slots)]
+    def __init__(self, sock: socket.socket, buffers: BufferPool, service: RelayService):
+        self._service = service
+        self._fronts = [_Front(0, sock, buffers)]
         self._joining = list(self._fronts)   # attached, not yet read (under _lock)
         self._lock = threading.Lock()        # attach() runs on other threads
-        self._relayed = relayed   # (front index) per request received
-        self._depth = depth   # counts requests from their arrival to their answer
-        self._refused = refused   # (method, code name) of an rpc the front refused
-        self._prepare, self._apply, self._refuse = prepare, apply, refuse
-        self._prepare_packed = prepare_packed or _no_packed
-        self._call = call or _no_calls
-        self._open_stream, self._close_stream = open_stream, close_stream
         # The relay thread's alone from here on.
         self._streams: dict[tuple[int, int], _LearnerStream] = {}   # by (front, stream id)
         self._received: deque[_Item] = deque()   # not yet prepared
@@ -541,10 +586,10 @@ class RelayLearner:
     def start(self) -> None:
         self._thread.start()
 
-    def attach(self, sock: socket.socket, slots: SlotPool) -> int:
+    def attach(self, sock: socket.socket, buffers: BufferPool) -> int:
         """Serve one more front process (after :meth:`start`); returns its index."""
         with self._lock:
-            front = _Front(len(self._fronts), sock, slots)
+            front = _Front(len(self._fronts), sock, buffers)
             self._fronts.append(front)
             self._joining.append(front)
         try:
@@ -553,22 +598,26 @@ class RelayLearner:
             pass
         return front.index
 
+    # ── the loop ────────────────────────────────────────────────────────────────────
+
     def _serve(self) -> None:
         """Read the fronts' frames, prepare and step their requests in arrival order; ends
         once the first front's connection has closed and every request received is
-        answered.  Should it fail, the relay ends as when the first front goes: every
-        stream ends and each request left is answered."""
+        answered.  Should it fail, every stream is refused from then on and each request
+        left is answered (UNAVAILABLE: nothing more is applied; clients retry)."""
         try:
             self._loop()
         except Exception:  # noqa: BLE001 — logged; the relay ends and answers what it holds
-            log.exception("the relay failed: ending every stream")
-            self._front_closed(self._fronts[0])
-            for item in (*self._prepared, *self._received):   # CANCELLED: their streams ended
+            log.exception("the relay failed: refusing every stream")
+            self._refuse_open_streams()
+            for item in (*self._prepared, *self._received):
                 self._answer(item)
             self._answer_calls()
         finally:
+            for stream in list(self._streams.values()):
+                self._finish(stream)
             self._poll.close()
-            self.closed.set()   # already, unless the relay failed
+            self.closed.set()
 
     def _loop(self) -> None:
         """:meth:`_serve`'s loop.  Each pass answers the small rpcs read (CALL), prepares
@@ -609,6 +658,8 @@ class RelayLearner:
             elif not self._read(front):
                 self._close_front(front)
 
+    # ── the fronts ──────────────────────────────────────────────────────────────────
+
     def _watch(self, sock: socket.socket, front: _Front | None) -> None:
         """Read ``sock`` (``front``'s, or the wake's) in :meth:`_look` from now on."""
         fd = sock.fileno()
@@ -634,11 +685,25 @@ class RelayLearner:
         reading every front (the relay only drains what it has)."""
         if registered:
             self._unwatch(front)
-        self._front_closed(front)
+        log.info("relay closed (front process %d)", front.index + 1)
+        for stream in list(self._streams.values()):
+            if stream.front is front:   # nobody reads its answers any more
+                self._ended(stream)
         if front.index == 0:
             self._closing = True
+            self._refuse_open_streams()
             for other in [f for f in self._polled.values() if f is not None]:
                 self._unwatch(other)
+            self.closed.set()
+
+    def _refuse_open_streams(self) -> None:
+        """The learner process is stopping (or the relay failed): every stream still open
+        is refused from now on, UNAVAILABLE, so a live client retries its keys (elsewhere,
+        or once the server is back); none is answered CANCELLED, which would tell it that
+        its own call was cancelled."""
+        for stream in self._streams.values():
+            if stream.failed is None and not stream.ended:
+                stream.failed = (grpc.StatusCode.UNAVAILABLE, _STOPPING)
 
     def _unwatch(self, front: _Front) -> None:
         """Stop reading ``front`` in :meth:`_look`."""
@@ -647,6 +712,8 @@ class RelayLearner:
             self._poll.unregister(front.fd)
         except OSError:   # closed meanwhile (as selectors, which ignores it too)
             pass
+
+    # ── frames ──────────────────────────────────────────────────────────────────────
 
     def _read(self, front: _Front) -> bool:
         """Take what ``front`` sent and act on its complete frames; False once its
@@ -672,37 +739,38 @@ class RelayLearner:
 
     def _parse(self, front: _Front) -> bool:
         """Act on the complete frames in ``front``'s unread bytes; False when one names no
-        slot of the front's (its connection is then shut)."""
+        buffer of the front's (its connection is then shut)."""
         unread = front.unread
         at, size = 0, _FRAME.size
         while len(unread) - at >= size:
-            op, sid, slot, n, deadline = _FRAME.unpack_from(unread, at)
+            op, sid, buffer, n, deadline = _FRAME.unpack_from(unread, at)
             # its bytes follow the frame
-            inline = op in (PACKED, REFUSED, CALL) or (op == REQ and slot < 0)
+            inline = op in (PACKED, REFUSED, CALL) or (op == REQ and buffer < 0)
             end = at + size + (n if inline else 0)
             if len(unread) < end:
                 break
             payload = bytes(unread[at + size:end]) if inline else b""
             at = end
-            if (op == REQ or op == PACKED) and not self._in_bounds(front, op, slot, n):
+            if (op == REQ or op == PACKED) and not self._in_bounds(front, op, buffer, n):
                 return False
             try:
                 if op == PACKED:   # the usual request
-                    self._enqueue(front, sid, slot, front.slots.slot(slot, front.slots.size),
+                    self._enqueue(front, sid, buffer,
+                                  front.buffers.buffer(buffer, front.buffers.size),
                                   deadline, payload)
                 elif op == OPEN:
-                    self._open(front, sid, unary=bool(slot))
+                    self._open(front, sid, unary=bool(buffer))
                 elif op == REQ:
-                    self._enqueue(front, sid, slot, front.slots.slot(slot, n) if slot >= 0
-                                  else memoryview(payload), deadline)
+                    self._enqueue(front, sid, buffer, front.buffers.buffer(buffer, n)
+                                  if buffer >= 0 else memoryview(payload), deadline)
                 elif op == END:
                     self._end(front, sid)
                 elif op == CALL:   # an END (a cancel) may follow: a stream of its own
                     stream = self._streams[front.index, sid] = _LearnerStream(front, sid, True)
-                    self._calls.append((stream, slot, payload, deadline))
+                    self._calls.append((stream, buffer, payload, deadline))
                 elif op == REFUSED:
                     method, _, code = payload.decode().rpartition(" ")
-                    self._refused(method, code)
+                    self._service.front_refused(method, code)
                 else:
                     log.warning("relay frame of unknown kind %d (stream %d) ignored", op, sid)
             except Exception:  # noqa: BLE001 — one bad frame must not end the relay
@@ -711,77 +779,62 @@ class RelayLearner:
         return True
 
     @staticmethod
-    def _in_bounds(front: _Front, op: int, slot: int, n: int) -> bool:
-        """Whether a request frame names one of ``front``'s slots (inline: the slot it
-        counts) and its bytes fit there; if not (a front bug, with no slot to answer in),
+    def _in_bounds(front: _Front, op: int, buffer: int, n: int) -> bool:
+        """Whether a request frame names one of ``front``'s buffers (inline: the buffer it
+        counts) and its bytes fit there; if not (a front bug, with no buffer to answer in),
         shut that front's connection and say False."""
-        index = slot if slot >= 0 else INLINE - slot
-        if 0 <= index < front.slots.count and (
-                slot < 0 and op == REQ or slot >= 0 and (op == PACKED or n <= front.slots.size)):
+        index = buffer if buffer >= 0 else INLINE - buffer
+        pool = front.buffers
+        if 0 <= index < pool.count and (
+                buffer < 0 and op == REQ or buffer >= 0 and (op == PACKED or n <= pool.size)):
             return True
-        log.error("front process %d sent a request of %d bytes in slot %d of its %d: its "
-                  "connection is shut", front.index + 1, n, slot, front.slots.count)
+        log.error("front process %d sent a request of %d bytes in buffer %d of its %d: its "
+                  "connection is shut", front.index + 1, n, buffer, pool.count)
         try:
             front.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         return False
 
-    def _front_closed(self, front: _Front) -> None:
-        """``front``'s connection closed: its streams end (every stream, for the first
-        front, whose end is the relay's)."""
-        log.info("relay closed (front process %d)", front.index + 1)
-        for stream in list(self._streams.values()):
-            if front.index == 0 or stream.front is front:
-                self._ended(stream)
-                if not stream.outstanding:   # else it ends with its last answer
-                    self._finish(stream)
-        if front.index == 0:
-            self.closed.set()
+    # ── streams ─────────────────────────────────────────────────────────────────────
 
     def _open(self, front: _Front, sid: int, unary: bool) -> None:
-        stream = _LearnerStream(front, sid, unary)
         if not unary:
-            try:
-                self._open_stream()
-                stream.admitted = True
-            except Exception as exc:  # noqa: BLE001 — e.g. too many streams: its first answer
-                code, details = self._refuse(exc, unary)
-                stream.failed = (code, details.encode())
-        self._streams[front.index, sid] = stream
+            self._service.stream_opened()
+        self._streams[front.index, sid] = _LearnerStream(front, sid, unary)
 
-    def _enqueue(self, front: _Front, sid: int, slot: int, data: memoryview,
+    def _enqueue(self, front: _Front, sid: int, buffer: int, data: memoryview,
                  deadline: float, packed: bytes | None = None) -> None:
         stream = self._streams.get((front.index, sid))
-        if stream is None:   # not open (a front bug): answer, so its slot comes back
-            self._reply(_LearnerStream(front, sid, False), slot, grpc.StatusCode.CANCELLED,
+        if stream is None:   # not open (a front bug): answer, so its buffer comes back
+            self._reply(_LearnerStream(front, sid, False), buffer, grpc.StatusCode.CANCELLED,
                         b"unknown stream; not applied")
             return
-        self._relayed(front.index)
-        if self._depth is not None:
-            self._depth.inc()
+        self._service.received(front.index)
         stream.outstanding += 1
-        self._received.append(_Item(stream, slot, data, deadline, packed))
+        self._received.append(_Item(stream, buffer, data, deadline, packed))
 
     def _end(self, front: _Front, sid: int) -> None:
         stream = self._streams.get((front.index, sid))
         if stream is not None:
             self._ended(stream)
-            if not stream.outstanding:
-                self._finish(stream)
 
     def _ended(self, stream: _LearnerStream) -> None:
-        """``stream`` ended: none of its requests not yet started will be applied."""
+        """``stream`` ended: none of its requests not yet started will be applied; it is
+        forgotten with its last answer."""
         stream.ended = True
+        if not stream.outstanding:
+            self._finish(stream)
 
     def _finish(self, stream: _LearnerStream) -> None:
-        """Forget ``stream`` (not another that took its id since) and release its place
-        among the open streams, if it had one."""
+        """Forget ``stream`` (not another that took its id since)."""
         key = (stream.front.index, stream.sid)
         if self._streams.get(key) is stream:
             del self._streams[key]
-            if stream.admitted:
-                self._close_stream()
+            if not stream.unary:
+                self._service.stream_closed()
+
+    # ── requests ────────────────────────────────────────────────────────────────────
 
     def _prepare_next(self) -> _Item:
         """The next request received, checked and its copy started (a refusal is kept, to
@@ -790,39 +843,43 @@ class RelayLearner:
         stream = item.stream
         if stream.failed is None and not stream.ended:
             try:
-                item.job = (self._prepare(item.data, stream.unary) if item.packed is None else
-                            self._prepare_packed(*read_packed(
-                                item.packed, item.data, stream.front.slots.address(item.slot))))
+                item.job = (self._service.prepare(item.data, stream.unary)
+                            if item.packed is None else
+                            self._service.prepare_packed(*read_packed(
+                                item.packed, item.data,
+                                stream.front.buffers.address(item.buffer))))
             except Exception as exc:  # noqa: BLE001 — answered in order, at its turn
                 item.error = exc
         return item
 
     def _answer_calls(self) -> None:
         """Run and answer the small rpcs read so far: one that ended first (an END: the
-        front's cancel; its front gone) is not run, one that fails is answered INTERNAL."""
+        front's cancel; its front gone) is not run, nor one refused (the learner process
+        stopping); one that fails is answered INTERNAL."""
         while self._calls:
             stream, method, request, deadline = self._calls.popleft()
             try:
-                if stream.ended:
+                if stream.failed is not None:
+                    code, payload = stream.failed
+                elif stream.ended:
                     code, payload = grpc.StatusCode.CANCELLED, b"the call ended before it ran"
                 else:
-                    code, payload = self._call(method, request,
-                                               RelayCall(deadline, stream, time.perf_counter(),
-                                                         self._look))
+                    code, payload = self._service.call(
+                        method, request, RelayCall(deadline, stream, time.perf_counter(),
+                                                   self._look))
             except Exception as exc:  # noqa: BLE001 — every call is answered
                 log.exception("a relayed call (method %d) failed", method)
                 code, payload = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}".encode()
-            self._finish(stream)   # never admitted: no stream place to release
-            self._reply(stream, NO_SLOT, code, payload)
+            self._finish(stream)
+            self._reply(stream, NO_BUFFER, code, payload)
 
     def _answer(self, item: _Item) -> None:
         """Step ``item`` (or refuse it) and reply."""
         code, payload = self._run(item)
         stream = item.stream
         stream.outstanding -= 1
-        self._reply(stream, item.slot, code, payload)
-        if self._depth is not None:
-            self._depth.dec()
+        self._reply(stream, item.buffer, code, payload)
+        self._service.answered()
         if stream.ended and not stream.outstanding:
             self._finish(stream)
 
@@ -837,11 +894,11 @@ class RelayLearner:
             if item.error is not None:
                 raise item.error
             call = RelayCall(item.deadline, stream, item.arrived, self._look)
-            return grpc.StatusCode.OK, self._apply(item.job, call)
+            return grpc.StatusCode.OK, self._service.apply(item.job, call)
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
             try:
-                code, details = self._refuse(exc, stream.unary)
-            except Exception:  # noqa: BLE001 — still answered, so the front's slot comes back
+                code, details = self._service.refusal(exc, stream.unary)
+            except Exception:  # noqa: BLE001 — still answered, so the front's buffer comes back
                 log.exception("wording the refusal of a request of stream %d failed",
                               stream.sid)
                 code, details = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
@@ -865,9 +922,9 @@ class RelayLearner:
             pass
 
     @staticmethod
-    def _reply(stream: _LearnerStream, slot: int, code: grpc.StatusCode,
+    def _reply(stream: _LearnerStream, buffer: int, code: grpc.StatusCode,
                payload: bytes) -> None:
-        frame = _REPLY.pack(stream.sid, slot, code.value[0], len(payload))
+        frame = _REPLY.pack(stream.sid, buffer, code.value[0], len(payload))
         try:
             _send_whole(stream.front.sock, frame, payload)   # no joined copy
         except OSError:

@@ -127,7 +127,10 @@ class LearnerServicer:
         streams' requests. A request that fails ends the stream with its status:
         every response received before it belongs to an applied request, it and
         the requests after it were not applied. Over max_streams open streams:
-        RESOURCE_EXHAUSTED. Messages shared with TrainStep (see there).
+        RESOURCE_EXHAUSTED at open. A stream whose responses are not read stops
+        being read after a few requests (HTTP/2 flow control then stops the
+        client); one with no request in flight that sends none for the server's
+        receive timeout ends UNAVAILABLE. Messages shared with TrainStep (see there).
         buf:lint:ignore RPC_REQUEST_STANDARD_NAME
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE

@@ -1,0 +1,293 @@
+"""The gate every call passes before it may hold a worker, and how long it may hold one.
+
+grpcio's synchronous server gives each call a worker thread as soon as its headers
+arrive, and a unary call's thread then waits for the request for ever.  So a client that
+sends headers and nothing more, or stops mid-message, could hold every worker.  The
+:class:`Gate` interceptor decides at the headers, before anything waits:
+
+* a call without the bearer token (health excepted) is refused UNAUTHENTICATED at once,
+  its request unread: it holds nothing an actor needs;
+* an admitted call holds one of ``max_rpcs`` places (server-wide: with front processes
+  the count is shared, server/fronts/shared.py); past it RESOURCE_EXHAUSTED at once.
+  Health checks, which need no token, have :data:`HEALTH_RPCS` places of their own;
+* every request message must arrive whole within ``receive_timeout_s`` of the server
+  asking for it, or the call is cancelled (CANCELLED) and gives its place back
+  (:class:`Watchdog`).  A TrainStream times its own reads instead
+  (:class:`StreamReader`): between requests an actor may pause, and an idle stream ends
+  UNAVAILABLE, which the client answers by reopening it.
+
+Refusals run on a worker for a few microseconds; the pool has room for them beyond the
+admitted calls (:func:`worker_count`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Iterator, Protocol
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+#: Health rpcs (no token needed) running at once, beside ``max_rpcs``.
+HEALTH_RPCS = 8
+#: Workers beyond the admitted calls', for refusals, so none waits behind a held call.
+REFUSAL_WORKERS = 4
+
+
+def worker_count(max_rpcs: int) -> int:
+    """Worker threads of a server admitting ``max_rpcs`` calls."""
+    return max_rpcs + HEALTH_RPCS + REFUSAL_WORKERS
+
+
+def too_many_rpcs(limit: int) -> str:
+    """What the server says to a call past ``max_rpcs``, in every server model."""
+    return f"too many concurrent rpcs (limit {limit})"
+
+
+class Tally(Protocol):
+    """How many of something are held, server-wide, up to ``limit``."""
+
+    limit: int
+
+    def take(self) -> bool:
+        """Hold one more; False (holding nothing) at the limit."""
+
+    def give_back(self) -> None:
+        """Give one back."""
+
+
+class Count:
+    """A :class:`Tally` within one process (thread-safe)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.held >= self.limit:
+                return False
+            self.held += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+
+def same_shape(handler: grpc.RpcMethodHandler, behaviour, request_deserializer, *,
+               request_streaming: bool | None = None) -> grpc.RpcMethodHandler:
+    """A handler with ``handler``'s streaming shape (its requests' streaming replaced by
+    ``request_streaming`` when given) and serializer, running ``behaviour``."""
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}
+    streaming = handler.request_streaming if request_streaming is None else request_streaming
+    return make[streaming, handler.response_streaming](
+        behaviour, request_deserializer=request_deserializer,
+        response_serializer=handler.response_serializer)
+
+
+class Watchdog:
+    """Cancels each call whose awaited request has not come ``timeout_s`` after :meth:`arm`,
+    unless :meth:`disarm` came first.  One thread for all calls; every wait is as long, so
+    the oldest armed is the next due, and arming and disarming cost O(1)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._armed: OrderedDict[int, tuple[float, grpc.ServicerContext, str]] = OrderedDict()
+        self._ids = itertools.count()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, context: grpc.ServicerContext, method: str) -> int:
+        key = next(self._ids)
+        with self._changed:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="duelq-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._armed[key] = (time.monotonic() + self.timeout_s, context, method)
+            if len(self._armed) == 1:
+                self._changed.notify()
+        return key
+
+    def disarm(self, key: int) -> None:
+        with self._changed:
+            self._armed.pop(key, None)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._armed and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                key, (due, context, method) = next(iter(self._armed.items()))
+                left = due - time.monotonic()
+                if left > 0:
+                    self._changed.wait(left)
+                    continue
+                del self._armed[key]
+            log.info("%s from %s: no request within %g s: cancelled", method, context.peer(),
+                     self.timeout_s)
+            context.cancel()
+
+
+class Gate(grpc.ServerInterceptor):
+    """Admits a call, or refuses it at its headers: the bearer token (``token``; "": none
+    needed), the rpc places (``rpcs``), the receive deadline (``receive_timeout_s``; the
+    methods in ``self_timed`` read their requests themselves).  ``on_refuse`` is told the
+    method path and code of each refusal (for the metrics)."""
+
+    def __init__(self, rpcs: Tally, receive_timeout_s: float, *, token: str = "",
+                 on_refuse: Callable[[str, grpc.StatusCode], None] | None = None,
+                 self_timed: tuple[str, ...] = ()):
+        self._rpcs, self._health = rpcs, Count(HEALTH_RPCS)
+        self._expected = token.encode() if token else None
+        self._on_refuse = on_refuse
+        self._self_timed = frozenset(self_timed)
+        self.watchdog = Watchdog(receive_timeout_s)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        health = method.startswith(HEALTH_PREFIX)
+        if not health and self._expected is not None:
+            if not self.admits(dict(details.invocation_metadata).get("authorization", "")):
+                return self._refusal(handler, method, grpc.StatusCode.UNAUTHENTICATED,
+                                     "missing or wrong bearer token")
+        places = self._health if health else self._rpcs
+        if not places.take():
+            return self._refusal(handler, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"too many concurrent health checks (limit {HEALTH_RPCS})"
+                                 if health else too_many_rpcs(places.limit))
+        return self._admitted(handler, method, places)
+
+    def admits(self, value: str | bytes) -> bool:
+        """Whether an authorization header's ``value`` carries the token: ``Bearer <token>``,
+        the scheme in any case (RFC 7235), the token compared in constant time."""
+        value = value.decode(errors="replace") if isinstance(value, bytes) else value
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode(),
+                                                                 self._expected)
+
+    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
+                 details: str) -> grpc.RpcMethodHandler:
+        """A handler that answers ``code`` at once: request-streaming whatever the method,
+        so it waits for no request (raw bytes: nothing of one would be parsed)."""
+        def refuse(requests, context):
+            if self._on_refuse is not None:
+                self._on_refuse(method, code)
+            context.abort(code, details)
+
+        return same_shape(handler, refuse, None, request_streaming=True)
+
+    def _admitted(self, handler: grpc.RpcMethodHandler, method: str,
+                  places: Tally) -> grpc.RpcMethodHandler:
+        """``handler``, holding a place until the call ends, with its requests read under
+        the receive deadline: request-streaming whatever the method, so the read is ours."""
+        def hold(context: grpc.ServicerContext) -> None:
+            if not context.add_callback(places.give_back):   # the call is over already
+                places.give_back()
+
+        if handler.request_streaming:
+            inner = handler.stream_stream or handler.stream_unary
+            timed = method not in self._self_timed
+
+            def streaming(requests, context):
+                hold(context)
+                return inner(self._watched(requests, context, method) if timed else requests,
+                             context)
+            return same_shape(handler, streaming, handler.request_deserializer)
+
+        inner = handler.unary_unary or handler.unary_stream
+
+        def unary(requests, context):
+            hold(context)
+            key = self.watchdog.arm(context, method)
+            try:
+                request = next(requests, None)
+            finally:
+                self.watchdog.disarm(key)
+            if request is None:   # half-closed without one (grpc's own words)
+                context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                              f'"{method}" requires exactly one request message.')
+            return inner(request, context)
+        return same_shape(handler, unary, handler.request_deserializer, request_streaming=True)
+
+    def _watched(self, requests: Iterator, context: grpc.ServicerContext,
+                 method: str) -> Iterator:
+        while True:
+            key = self.watchdog.arm(context, method)
+            try:
+                request = next(requests, None)
+            finally:
+                self.watchdog.disarm(key)
+            if request is None:
+                return
+            yield request
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+
+#: What a :class:`StreamReader` puts in its inbox: ``(REQUEST, message)`` for each request,
+#: then ``(END, None)`` at the half-close or ``(FAILED, exception)`` (the call was
+#: cancelled, or a request's bytes did not parse).
+REQUEST, END, FAILED = "request", "end", "failed"
+
+
+class StreamReader:
+    """Reads a streaming call's requests on a thread of its own into ``inbox``, at most
+    ``ahead`` beyond those the handler is done with (:meth:`done`).  grpc's iterator waits
+    for ever; the handler waits on ``inbox`` instead, with a deadline, and may put other
+    things there (a front's replies).  A stream whose answers are not read stops being
+    read, so HTTP/2 flow control stops its client."""
+
+    def __init__(self, requests: Iterator, inbox: queue.SimpleQueue, ahead: int):
+        self._credits = threading.Semaphore(ahead)
+        self._closed = False
+        threading.Thread(target=self._read, args=(requests, inbox), daemon=True,
+                         name="duelq-stream-reader").start()
+
+    def _read(self, requests: Iterator, inbox: queue.SimpleQueue) -> None:
+        try:
+            while True:
+                self._credits.acquire()
+                if self._closed:
+                    return
+                request = next(requests, None)
+                if request is None:
+                    inbox.put((END, None))
+                    return
+                inbox.put((REQUEST, request))
+        except Exception as exc:  # noqa: BLE001 — handed to the handler, which answers it
+            inbox.put((FAILED, exc))
+
+    def done(self) -> None:
+        """The handler is done with one request: one more may be read."""
+        self._credits.release()
+
+    def close(self) -> None:
+        """Read no more (a read under way ends with the call)."""
+        self._closed = True
+        self._credits.release()
