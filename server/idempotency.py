@@ -19,7 +19,7 @@ apply a key twice:
 
 Not thread-safe: the service calls it under the lock that applies steps.
 
-:meth:`ReplayGuard.to_bytes` / :meth:`ReplayGuard.from_bytes` carry the records
+:meth:`KeyGuard.to_bytes` / :meth:`KeyGuard.from_bytes` carry the records
 into a checkpoint and back, so a key applied before a checkpoint stays applied
 after a restart from it.  Format 2: ``DQR2``, the length of a JSON index (8 bytes,
 little-endian), the index (actors, keys, and each response's message type and
@@ -72,13 +72,13 @@ def _name(response: Any) -> str:
     return descriptor.name if descriptor is not None else type(response).__name__
 
 
-class ReplayGuard:
+class KeyGuard:
     """Applied keys and recorded responses, in bounded memory."""
 
     def __init__(self, *, capacity: int = 1024, window: int = 1024, max_actors: int = 4096,
                  idle_s: float = 3600.0, clock: Callable[[], float] = time.time):
         if capacity < 0 or window < 1 or max_actors < 1 or idle_s < 0:
-            raise InvalidArgument("replay_cache", "capacity and idle_s must be ≥ 0, window "
+            raise InvalidArgument("recorded_responses", "capacity and idle_s must be ≥ 0, window "
                                   "and max_actors ≥ 1")
         self.capacity, self.window, self.max_actors = capacity, window, max_actors
         self.idle_s, self._clock = idle_s, clock
@@ -167,9 +167,9 @@ class ReplayGuard:
             actor.seen |= 1 << (actor.high - seq)
             self._keep((actor_id, seq), response)
 
-    def copy(self) -> "ReplayGuard":
+    def copy(self) -> "KeyGuard":
         """A copy that shares the recorded responses (never mutated once recorded)."""
-        other = ReplayGuard(capacity=self.capacity, window=self.window,
+        other = KeyGuard(capacity=self.capacity, window=self.window,
                             max_actors=self.max_actors, idle_s=self.idle_s, clock=self._clock)
         other._actors = OrderedDict((a, replace(rec)) for a, rec in self._actors.items())
         other._responses = OrderedDict(self._responses)
@@ -200,7 +200,7 @@ class ReplayGuard:
     @classmethod
     def from_bytes(cls, data: bytes, kinds: Mapping[str, type], *, capacity: int = 1024,
                    max_actors: int = 4096, idle_s: float = 3600.0,
-                   clock: Callable[[], float] = time.time) -> "ReplayGuard":
+                   clock: Callable[[], float] = time.time) -> "KeyGuard":
         """Records written by :meth:`to_bytes` (format 2, or format 1 from earlier
         versions); ``kinds`` maps message names to classes.
 

@@ -40,17 +40,15 @@ from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter, read
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument
 from duelq.server.core.learner import Learner, make_backend
-from duelq.server.metrics import Metrics
 from duelq.server.core.replay import ReplayState
-from duelq.server.reflection import enable_reflection
-from duelq.server.replay_loop import ReplayLoop
-from duelq.server.service import REPLAY_BUFFER_EXTRA, REPLAY_KINDS, LearnerService, Limits
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import train_request_deserializer, undecodable
 from duelq.server.gate import Count, Gate, Tally, same_shape, worker_count
-from duelq.server.idempotency import ReplayGuard
+from duelq.server.idempotency import KeyGuard
 from duelq.server.metrics import Metrics
-from duelq.server.service import REPLAY_KINDS, LearnerService, Limits
+from duelq.server.reflection import enable_reflection
+from duelq.server.replay_loop import ReplayLoop
+from duelq.server.service import REPLAY_BUFFER_EXTRA, RECORDED_KINDS, LearnerService, Limits
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +75,7 @@ class ServerOptions:
     max_rpcs: int = 64
     """Rpcs (streams included, health checks not) running at once, server-wide; past it
     RESOURCE_EXHAUSTED."""
-    replay_cache: int = 1024
+    recorded_responses: int = 1024
     """Recorded responses kept for idempotent retries (besides each actor's latest); a retry
     whose response is gone gets ALREADY_EXISTS."""
     max_actors: int = 4096
@@ -136,7 +134,7 @@ class ServerOptions:
         need(self.max_streams >= 1, "max_streams", "must be ≥ 1")
         need(self.max_rpcs > self.max_streams, "max_rpcs",
              f"must exceed max_streams={self.max_streams}, leaving room for unary rpcs")
-        need(self.replay_cache >= 0, "replay_cache", "must be ≥ 0")
+        need(self.recorded_responses >= 0, "recorded_responses", "must be ≥ 0")
         need(self.max_actors >= 1, "max_actors", "must be ≥ 1")
         need(self.actor_idle_s >= 0, "actor_idle_s", "must be ≥ 0")
         need(self.receive_timeout_s > 0, "receive_timeout_s", "must be > 0")
@@ -321,14 +319,14 @@ def bind(server: grpc.Server, options: ServerOptions, address: str = "") -> int:
     return port
 
 
-def replay_guard(options: ServerOptions, records: bytes | None = None) -> ReplayGuard:
+def replay_guard(options: ServerOptions, records: bytes | None = None) -> KeyGuard:
     """The idempotency records of ``options``' bounds: empty, or read from ``records`` (a
     checkpoint's; ValueError when malformed)."""
-    bounds = dict(capacity=options.replay_cache, max_actors=options.max_actors,
+    bounds = dict(capacity=options.recorded_responses, max_actors=options.max_actors,
                   idle_s=options.actor_idle_s)
     if records is None:
-        return ReplayGuard(**bounds)
-    return ReplayGuard.from_bytes(records, REPLAY_KINDS, **bounds)
+        return KeyGuard(**bounds)
+    return KeyGuard.from_bytes(records, RECORDED_KINDS, **bounds)
 
 
 def local_target(host: str, port: int | None) -> str:
@@ -422,7 +420,7 @@ class LearnerServer:
         self.attach(learner, replay=replay)
         return learner
 
-    def attach(self, learner: Learner, *, replay: ReplayGuard | None = None) -> None:
+    def attach(self, learner: Learner, *, replay: KeyGuard | None = None) -> None:
         """Serve ``learner`` (with ``replay``'s idempotency records) and report SERVING."""
         self.service.attach(learner, replay=replay)
         o = self.options

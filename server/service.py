@@ -50,7 +50,7 @@ from duelq.server.core.replay import ReplayRun
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import train_request_deserializer, undecodable
 from duelq.server.gate import END, FAILED, StreamReader
-from duelq.server.idempotency import AlreadyApplied, ReplayGuard
+from duelq.server.idempotency import AlreadyApplied, KeyGuard
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.wire.tensors import TensorError, decode, encode, float16_to_float32, tensor_head, varint
@@ -68,7 +68,7 @@ def _version() -> str:
 SERVER_VERSION = _version()
 
 #: The recorded response types, by name, for idempotency records in checkpoints.
-REPLAY_KINDS = {"TrainResponse": pb.TrainResponse,
+RECORDED_KINDS = {"TrainResponse": pb.TrainResponse,
                 "ComputeEntropyResponse": pb.ComputeEntropyResponse,
                 "InsertStreamResponse": pb.InsertStreamResponse,
                 "TrainReplayResponse": pb.TrainReplayResponse}
@@ -238,7 +238,7 @@ class EncodedTrainResponse:
     the fields the server reads back; recorded under its key as a message would be."""
 
     __slots__ = ("data", "step", "loss", "rows")
-    DESCRIPTOR = pb.TrainResponse.DESCRIPTOR   # the message it encodes (ReplayGuard)
+    DESCRIPTOR = pb.TrainResponse.DESCRIPTOR   # the message it encodes (KeyGuard)
     replayed = False
 
     def __init__(self, data: bytes, step: int, loss: float, rows: int):
@@ -339,9 +339,9 @@ class Limits:
 class LearnerService(pb_grpc.LearnerServicer):
     """``duelq.v1.Learner`` over a :class:`Learner` that is attached once it is ready."""
 
-    def __init__(self, limits: Limits, *, replay: ReplayGuard | None = None):
+    def __init__(self, limits: Limits, *, replay: KeyGuard | None = None):
         self.limits = limits
-        self._replay = replay if replay is not None else ReplayGuard()
+        self._replay = replay if replay is not None else KeyGuard()
         self.checkpoints: CheckpointWriter | None = None
         """Saves checkpoints (SaveCheckpoint, periodic); None: checkpoints are off."""
         self._learner: Learner | None = None
@@ -356,7 +356,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         self.on_insert: Callable[[], None] | None = None
         """Told after each new insert (the replay loop's wake-up), outside the apply lock."""
 
-    def attach(self, learner: Learner, *, replay: ReplayGuard | None = None) -> None:
+    def attach(self, learner: Learner, *, replay: KeyGuard | None = None) -> None:
         """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
         if replay is not None:
             self._replay = replay
@@ -428,7 +428,7 @@ class LearnerService(pb_grpc.LearnerServicer):
     def _check_train_key(self, key: pb.RequestKey) -> None:
         """Refuse a train request's malformed key, or any while draining: early, before the
         request's own work (_admit decides again)."""
-        ReplayGuard.check_key(key.actor_id, key.seq)
+        KeyGuard.check_key(key.actor_id, key.seq)
         self._refuse_if_draining(key)
 
     @property
@@ -616,7 +616,7 @@ class LearnerService(pb_grpc.LearnerServicer):
             result = learner.compute_entropy(actions, slot, request.alpha)
             return pb.ComputeEntropyResponse(entropy=result.entropy, ema=result.ema,
                                              slot=result.slot, key=request.key)
-        ReplayGuard.check_key(request.key.actor_id, request.key.seq)
+        KeyGuard.check_key(request.key.actor_id, request.key.seq)
         return self._keyed(request.key, pb.ComputeEntropyResponse, apply, context)
 
     @_rpc

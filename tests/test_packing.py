@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from duelq.client.client import encode_batch_wire
 from duelq.wire.tensors import encode
+from duelq.wire.types import FEATURE_DTYPES
 from duelq.server.fronts import relay
 from duelq.server.core.backend import StepOutputs
-from duelq.server.core.batch import FEATURE_DTYPES, Batch, PackedBatch, packed_layout, validate_batch
+from duelq.server.core.batch import Batch, PackedBatch, packed_layout, validate_batch
 from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 from duelq.server.core.learner import Learner
 from duelq.server.fronts.packing import DESCRIPTOR, STREAM_MIN_BYTES, Packer, read_packed

@@ -25,11 +25,11 @@ from duelq.client.client import encode_batch_wire
 from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 from duelq.wire.tensors import decode, encode
 from duelq.server.core.config import LearnerConfig
-from duelq.server.idempotency import AlreadyApplied, ReplayGuard
+from duelq.server.idempotency import AlreadyApplied, KeyGuard
 from duelq.server.core.learner import Learner, StepResult
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server import framing as wire
-from duelq.server.service import (REPLAY_KINDS, EncodedTrainResponse, LearnerService, Limits,
+from duelq.server.service import (RECORDED_KINDS, EncodedTrainResponse, LearnerService, Limits,
                                   encoded_train_response, train_response)
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -136,7 +136,7 @@ def test_keys_may_arrive_out_of_order_and_entropy_is_keyed_too(server, rng):
 
 
 def test_key_whose_result_was_evicted_is_refused_not_reapplied(make_server, rng):
-    server = make_server(replay_cache=0)
+    server = make_server(recorded_responses=0)
     s = stub(server.target)
     old, latest = train_request(rng, actor="a", seq=1), train_request(rng, actor="a", seq=2)
     s.TrainStep(old)
@@ -149,7 +149,7 @@ def test_key_whose_result_was_evicted_is_refused_not_reapplied(make_server, rng)
 
 def test_replay_guard_window_and_actor_bound():
     now = [0.0]
-    guard = ReplayGuard(capacity=2, window=4, max_actors=2, idle_s=60, clock=lambda: now[0])
+    guard = KeyGuard(capacity=2, window=4, max_actors=2, idle_s=60, clock=lambda: now[0])
     for seq in (1, 2, 3, 4, 5):
         assert guard.lookup("a", seq, str) is None
         guard.record("a", seq, f"r{seq}")
@@ -173,8 +173,8 @@ def test_replay_guard_window_and_actor_bound():
         guard.lookup("a", 10**12, str)
 
 
-def _guard_with_records() -> ReplayGuard:
-    guard = ReplayGuard(capacity=3, window=8)
+def _guard_with_records() -> KeyGuard:
+    guard = KeyGuard(capacity=3, window=8)
     for actor, seqs in (("a", (1, 2, 3, 7)), ("b", (1,)), ("c", (2, 4))):
         for seq in seqs:
             guard.record(actor, seq, pb.TrainResponse(step=seq, loss=0.5 * seq, key=pb.RequestKey(
@@ -182,7 +182,7 @@ def _guard_with_records() -> ReplayGuard:
     return guard
 
 
-def _same_records(a: ReplayGuard, b: ReplayGuard) -> None:
+def _same_records(a: KeyGuard, b: KeyGuard) -> None:
     assert a.window == b.window and list(a._actors) == list(b._actors)
     assert list(a._responses) == list(b._responses)  # LRU order kept
     for actor, seq in [("a", 7), ("a", 3), ("a", 2), ("b", 1), ("c", 4), ("c", 2)]:
@@ -196,7 +196,7 @@ def test_idempotency_records_round_trip_in_format_2():
     guard = _guard_with_records()
     data = guard.to_bytes()
     assert data.startswith(b"DQR2")
-    _same_records(guard, ReplayGuard.from_bytes(data, REPLAY_KINDS, capacity=3))
+    _same_records(guard, KeyGuard.from_bytes(data, RECORDED_KINDS, capacity=3))
 
 
 def test_idempotency_records_of_format_1_are_still_read():
@@ -211,7 +211,7 @@ def test_idempotency_records_of_format_1_are_still_read():
                        "actors": [[a, rec.high, format(rec.seen, "x"), blob(rec.latest)]
                                   for a, rec in guard._actors.items()],
                        "responses": [[a, q, blob(r)] for (a, q), r in guard._responses.items()]})
-    _same_records(guard, ReplayGuard.from_bytes(data.encode(), REPLAY_KINDS, capacity=3))
+    _same_records(guard, KeyGuard.from_bytes(data.encode(), RECORDED_KINDS, capacity=3))
 
 
 def _edit_index(data: bytes, edit) -> bytes:
@@ -238,7 +238,7 @@ def test_malformed_idempotency_records_are_refused(damage):
     else:
         data = _edit_index(data, lambda i: i.__setitem__("format", 3))
     with pytest.raises(ValueError, match="malformed idempotency records"):
-        ReplayGuard.from_bytes(data, REPLAY_KINDS)
+        KeyGuard.from_bytes(data, RECORDED_KINDS)
 
 
 # -- bad input (docs/design.md §7) --------------------------------------------------------------
@@ -550,13 +550,13 @@ def test_an_encoded_response_is_recorded_replayed_and_checkpointed_as_its_messag
     key = pb.RequestKey(actor_id="a", seq=4)
     result = _result(rng, 8)
     message = train_response(result, key)
-    guard = ReplayGuard(capacity=4, window=8)
+    guard = KeyGuard(capacity=4, window=8)
     guard.record("a", 4, encoded_train_response(result, key.SerializeToString()))
     assert guard.lookup("a", 4, pb.TrainResponse).SerializeToString() == \
         message.SerializeToString()
     with pytest.raises(InvalidArgument, match="already used by a TrainResponse"):
         guard.lookup("a", 4, pb.ComputeEntropyResponse)
-    restored = ReplayGuard.from_bytes(guard.to_bytes(), REPLAY_KINDS)
+    restored = KeyGuard.from_bytes(guard.to_bytes(), RECORDED_KINDS)
     assert restored.lookup("a", 4, pb.TrainResponse) == message
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duelq.server.core.config import LearnerConfig
-from duelq.wire.types import FEATURE_DTYPES, FIELD_DTYPES, Batch, wrong_dtype
+from duelq.wire.types import FIELD_DTYPES, Batch, wrong_dtype
 from duelq.server.core.errors import InvalidArgument, ResourceExhausted
 
 

@@ -20,15 +20,15 @@ from typing import Iterable
 import numpy as np
 
 from duelq.server.core.backend import Backend, StepOutputs, Upload
-from duelq.server.core.batch import (FEATURE_DTYPES, Batch, PackedBatch, validate_actions, validate_batch,
-                    validate_features)
+from duelq.server.core.batch import (Batch, PackedBatch, validate_actions, validate_batch,
+                                    validate_features)
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import (InvalidArgument, NonFiniteStep, ReplayNotReady,
                                       ReplayTooLarge, ResourceExhausted)
 from duelq.server.core.replay import (ReferenceReplay, ReplayBuffer, ReplayRun,
                                       ReplayState, replay_bytes, validate_transitions)
 from duelq.server.core.state import LearnerState, Params
-from duelq.wire.types import ReplayInfo, Transitions
+from duelq.wire.types import FEATURE_DTYPES, ReplayInfo, Transitions
 
 log = logging.getLogger(__name__)
 

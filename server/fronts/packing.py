@@ -30,9 +30,10 @@ from typing import Callable
 import numpy as np
 
 from duelq.wire.tensors import decode
+from duelq.wire.types import FEATURE_DTYPES
 from duelq.v1 import learner_pb2 as pb
 
-from duelq.server.core.batch import FEATURE_DTYPES, PackedBatch, packed_layout
+from duelq.server.core.batch import PackedBatch, packed_layout
 from duelq.server.framing import TENSOR_FIELDS, known_layout, parse_train_request
 
 DESCRIPTOR = struct.Struct("<IIBB")   # B, H, features' dtype (FEATURE_DTYPES index), weights
