@@ -462,6 +462,9 @@ def demo(args: argparse.Namespace) -> int:
     for name in DEMO_COUNTS:
         if getattr(args, name) < 1:
             raise UsageError(f"{flag_name(name)}: must be ≥ 1")
+    # SIGINT stops the demo cleanly (a partial summary) even where it was started ignoring
+    # it, as a shell script's background job is.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.env_steps and args.env_steps <= ActorConfig.warmup:
         raise UsageError(f"--env-steps: must be 0 (the task's own) or more than the "
                          f"{ActorConfig.warmup} warm-up steps")
