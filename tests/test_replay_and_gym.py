@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from duelq.client.replay import NStepReplay
+from duelq.client.replay import NStepReplay, NStepReturns
 from duelq.server.core import Learner, LearnerConfig
 from duelq.server.core.reference import q_values
 
@@ -33,6 +33,21 @@ def test_n_step_returns_discounts_and_done_on_termination():
     np.testing.assert_allclose(r.discounts[1:4], [0.125, 0.25, 0.5])
     np.testing.assert_array_equal(r.dones[1:4], [1.0, 1.0, 1.0])
     np.testing.assert_array_equal(r.actions[:4], [0, 1, 2, 0])
+
+
+def test_n_step_returns_emit_the_rows_a_step_completes():
+    """NStepReturns alone (the server feed's): None until a row is complete, then the
+    completed rows as one Transitions, in the server's convention."""
+    r = NStepReturns(n_step=2, gamma=0.5)
+    assert r.add(h(0), 3, 1.0, h(1), False) is None
+    rows = r.add(h(1), 2, 2.0, h(2), False)             # s0 → s2: 1 + 0.5·2, γ²
+    assert (rows.size, rows.rewards.tolist(), rows.discounts.tolist()) == (1, [2.0], [0.25])
+    assert rows.priorities is None and rows.actions.dtype == np.int32
+    rows = r.add(h(2), 1, 4.0, h(3), terminated=True)    # s1 → s3 (2 + 2), s2 → s3 (4)
+    assert rows.rewards.tolist() == [4.0, 4.0] and rows.discounts.tolist() == [0.25, 0.5]
+    assert rows.dones.tolist() == [1.0, 1.0] and rows.actions.tolist() == [2, 1]
+    np.testing.assert_array_equal(rows.h_t, [h(1), h(2)])
+    np.testing.assert_array_equal(rows.h_tp1, [h(3), h(3)])
 
 
 def test_truncation_flushes_but_keeps_bootstrapping():
