@@ -187,7 +187,7 @@ def add_global_flags(parser: argparse.ArgumentParser, *, repeated: bool = False)
 
 
 def add_demo_flags(parser: argparse.ArgumentParser) -> None:
-    from duelq.apps.gym_actor import TASKS
+    from duelq.apps.gym_actor import FEEDS, TASKS
     group = parser.add_argument_group("demo (--token, if set, is also sent to --target)")
     add_flag(group, "target", "str", "", "host:port of a running server; empty starts one "
              "in-process")
@@ -206,6 +206,11 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
              choices=("",) + tuple(TASKS))
     add_flag(group, "env_steps", "int", 0, "environment steps per actor with --env; 0: as "
              "many as the task needs")
+    add_flag(group, "feed", "str", "batches", "with --env, how the actors feed the learner: "
+             "batches (TrainStep) sampled from replays of their own, or replay: each "
+             "transition inserted once into the server's replay buffer (the in-process "
+             "server gets one sized for the task), one TrainReplay step drawn from it where "
+             "a batch would go", choices=tuple(FEEDS))
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -458,6 +463,7 @@ def demo(args: argparse.Namespace) -> int:
     from duelq.apps.gym_actor import ActorConfig
     from duelq.apps.gym_demo import env_config, run_env_demo
     from duelq.server.core.config import LearnerConfig
+    from duelq.server.core.errors import InvalidArgument
     from duelq.server.server import ServerOptions
     for name in DEMO_COUNTS:
         if getattr(args, name) < 1:
@@ -468,12 +474,20 @@ def demo(args: argparse.Namespace) -> int:
     if args.env_steps and args.env_steps <= ActorConfig.warmup:
         raise UsageError(f"--env-steps: must be 0 (the task's own) or more than the "
                          f"{ActorConfig.warmup} warm-up steps")
+    if args.feed == "replay" and not args.env:
+        raise UsageError("--feed replay: needs --env (the synthetic demo streams batches)")
+    options = from_args(ServerOptions, args)
+    if args.feed == "replay" and not args.target and options.front_processes:
+        raise UsageError("--feed replay: the server-side replay buffer runs with the "
+                         "one-process server only (--front-processes 0)")
     config = from_args(LearnerConfig, args)
     if args.env:
         defaults = from_args(LearnerConfig, build_parser("demo").parse_args(["demo"]))
-        config = env_config(args.env, config, defaults)
-    return run_demo(args, config, from_args(ServerOptions, args),
-                    run_env_demo if args.env else None)
+        try:
+            config = env_config(args.env, config, defaults, args.feed)
+        except InvalidArgument as exc:
+            raise UsageError(f"{flag_name(exc.field)}: {exc.problem}") from None
+    return run_demo(args, config, options, run_env_demo if args.env else None)
 
 
 def bench(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

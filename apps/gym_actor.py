@@ -4,19 +4,27 @@ The tasks are tabular (deterministic FrozenLake and CliffWalking) with one-hot f
 so the linear dueling head can represent Q* exactly, and :func:`check_policy` compares the
 learned Q with Q* from value iteration on the task's own transition table.  An actor acts
 ε-greedily with weights it pulls from the learner every ``sync_every`` steps (Acme's
-variable-client pattern), keeps an :class:`NStepReplay`, sends prioritised batches and
-writes the returned priorities back.
+variable-client pattern) and feeds the learner one of two ways (a :class:`Feed`):
 
-The learner is reached through two callables, so the same actor drives a remote
-:class:`~duelq.client.LearnerClient` or an in-process learner:
-``train(batch) -> priorities [B]`` and ``pull() -> Params``.
+- :class:`ActorReplay` keeps an :class:`NStepReplay`, sends prioritised batches and writes
+  the returned priorities back (TrainStep);
+- :class:`ServerReplay` sends each n-step transition once (InsertStream) and asks for one
+  step drawn from the server's replay buffer where the other would send a batch
+  (TrainReplay).  The actor, not the server's ``replay_ratio`` loop, paces the steps: with
+  one actor the inserts and steps reach the server in a fixed order, and the server's
+  draws follow from ``replay_seed`` and the inserts, so a run is reproducible; the loop's
+  runs would draw from whatever rows had arrived by then.
+
+The learner is reached through callables, so the same actor drives a remote
+:class:`~duelq.client.LearnerClient` or an in-process learner: the feed's, and
+``pull() -> Params``.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -24,7 +32,8 @@ from duelq.server.core.batch import Batch
 from duelq.server.core.reference import q_values
 from duelq.server.core.state import Params
 
-from duelq.client.replay import NStepReplay
+from duelq.client.replay import NStepReplay, NStepReturns
+from duelq.wire.types import Transitions
 
 MAX_EPISODE_STEPS = 100
 
@@ -48,7 +57,6 @@ TASKS = {
                             {"env_steps": 12000, "eps_decay_steps": 6000}),
 }
 
-TrainFn = Callable[[Batch], np.ndarray]
 PullFn = Callable[[], Params]
 
 
@@ -104,18 +112,74 @@ class ActorConfig:
 @dataclass
 class ActorReport:
     episodes: int = 0
-    batches: int = 0
+    batches: int = 0      # learner steps this actor asked for
     returns: list[float] = field(default_factory=list)  # undiscounted, per finished episode
 
 
-def run_actor(cfg: ActorConfig, train: TrainFn, pull: PullFn,
+#: The two feeds, by their ``duelq demo --feed`` names, and the summary's words for them.
+FEEDS = {"batches": "batches from the actors' replays",
+         "replay": "drawn from the server's replay buffer"}
+
+
+class Feed(Protocol):
+    """How an actor's experience reaches the learner."""
+
+    def add(self, h: np.ndarray, action: int, reward: float, h_next: np.ndarray,
+            terminated: bool, truncated: bool) -> None:
+        """Record one environment step."""
+
+    def train(self, rng: np.random.Generator) -> bool:
+        """One learner step on this actor's behalf; False while there is nothing to draw."""
+
+
+class ActorReplay:
+    """The actor's own prioritised replay: a sampled batch per step, its priorities written
+    back.  ``train(batch) -> priorities [B]``."""
+
+    def __init__(self, cfg: ActorConfig, train: Callable[[Batch], np.ndarray]):
+        self.replay = NStepReplay(cfg.capacity, env_dims(cfg.env_id)[0], n_step=cfg.n_step,
+                                  gamma=cfg.gamma)
+        self._train, self._batch_size = train, cfg.batch_size
+
+    def add(self, h, action, reward, h_next, terminated, truncated) -> None:
+        self.replay.add(h, action, reward, h_next, terminated, truncated)
+
+    def train(self, rng: np.random.Generator) -> bool:
+        batch, idx = self.replay.sample(self._batch_size, rng)
+        self.replay.update_priorities(idx, self._train(batch))
+        return True
+
+
+class ServerReplay:
+    """The server's replay buffer: each n-step transition inserted once, one step drawn
+    from the buffer per :meth:`train` once it holds ``min_size`` rows (its replay_min_size).
+    ``insert(rows) -> rows the buffer holds after it``; ``train()`` runs one step."""
+
+    def __init__(self, cfg: ActorConfig, insert: Callable[[Transitions], int],
+                 train: Callable[[], None], min_size: int):
+        self.returns = NStepReturns(cfg.n_step, cfg.gamma)
+        self._insert, self._train, self._min_size = insert, train, min_size
+        self.size = 0   # rows in the buffer after this actor's last insert
+
+    def add(self, h, action, reward, h_next, terminated, truncated) -> None:
+        rows = self.returns.add(h, action, reward, h_next, terminated, truncated)
+        if rows is not None:
+            self.size = self._insert(rows)
+
+    def train(self, rng: np.random.Generator) -> bool:
+        if self.size < self._min_size:
+            return False
+        self._train()
+        return True
+
+
+def run_actor(cfg: ActorConfig, feed: Feed, pull: PullFn,
               on_batch: Callable[[], None] | None = None,
               stop: threading.Event | None = None) -> ActorReport:
     """Run one ε-greedy actor for ``cfg.env_steps`` environment steps, or until ``stop``."""
     env = make_env(cfg.env_id)
     n_obs, n_actions = int(env.observation_space.n), int(env.action_space.n)
     rng = np.random.default_rng(cfg.seed)
-    replay = NStepReplay(cfg.capacity, n_obs, n_step=cfg.n_step, gamma=cfg.gamma)
     report = ActorReport()
     params = pull()
     obs, _ = env.reset(seed=cfg.seed)
@@ -131,15 +195,13 @@ def run_actor(cfg: ActorConfig, train: TrainFn, pull: PullFn,
             action = int(np.argmax(q_values(params, h[None])[0]))
         obs, reward, terminated, truncated, _ = env.step(action)
         episode_return += float(reward)
-        replay.add(h, action, float(reward), one_hot(obs, n_obs), terminated, truncated)
+        feed.add(h, action, float(reward), one_hot(obs, n_obs), terminated, truncated)
         if terminated or truncated:
             report.returns.append(episode_return)
             report.episodes += 1
             episode_return = 0.0
             obs, _ = env.reset()
-        if t >= cfg.warmup and t % cfg.train_every == 0:
-            batch, idx = replay.sample(cfg.batch_size, rng)
-            replay.update_priorities(idx, train(batch))
+        if t >= cfg.warmup and t % cfg.train_every == 0 and feed.train(rng):
             report.batches += 1
             if on_batch is not None:
                 on_batch()

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from duelq.client.replay import NStepReplay
+from duelq.client.replay import NStepReplay, NStepReturns
 from duelq.server.core import Learner, LearnerConfig
 from duelq.server.core.reference import q_values
 
@@ -33,6 +33,21 @@ def test_n_step_returns_discounts_and_done_on_termination():
     np.testing.assert_allclose(r.discounts[1:4], [0.125, 0.25, 0.5])
     np.testing.assert_array_equal(r.dones[1:4], [1.0, 1.0, 1.0])
     np.testing.assert_array_equal(r.actions[:4], [0, 1, 2, 0])
+
+
+def test_n_step_returns_emit_the_rows_a_step_completes():
+    """NStepReturns alone (the server feed's): None until a row is complete, then the
+    completed rows as one Transitions, in the server's convention."""
+    r = NStepReturns(n_step=2, gamma=0.5)
+    assert r.add(h(0), 3, 1.0, h(1), False) is None
+    rows = r.add(h(1), 2, 2.0, h(2), False)             # s0 → s2: 1 + 0.5·2, γ²
+    assert (rows.size, rows.rewards.tolist(), rows.discounts.tolist()) == (1, [2.0], [0.25])
+    assert rows.priorities is None and rows.actions.dtype == np.int32
+    rows = r.add(h(2), 1, 4.0, h(3), terminated=True)    # s1 → s3 (2 + 2), s2 → s3 (4)
+    assert rows.rewards.tolist() == [4.0, 4.0] and rows.discounts.tolist() == [0.25, 0.5]
+    assert rows.dones.tolist() == [1.0, 1.0] and rows.actions.tolist() == [2, 1]
+    np.testing.assert_array_equal(rows.h_t, [h(1), h(2)])
+    np.testing.assert_array_equal(rows.h_tp1, [h(3), h(3)])
 
 
 def test_truncation_flushes_but_keeps_bootstrapping():
@@ -114,14 +129,14 @@ def test_greedy_action_is_optimal_in_every_reachable_frozen_lake_state():
     """One actor (deterministic: the same seed, the same steps) against an in-process
     learner with the demo's settings."""
     pytest.importorskip("gymnasium")
-    from duelq.apps.gym_actor import (TASKS, ActorConfig, check_policy, env_dims,
+    from duelq.apps.gym_actor import (TASKS, ActorConfig, ActorReplay, check_policy, env_dims,
                                       greedy_return, run_actor)
     from duelq.apps.gym_demo import env_config
     env_id = "FrozenLake-v1"
     learner = Learner(env_config(env_id, LearnerConfig(), LearnerConfig()), backend="reference")
     cfg = ActorConfig.of(env_id)
     before = check_policy(env_id, learner.weights()[0], cfg.gamma)
-    report = run_actor(cfg, train=lambda b: learner.step(b).priorities,
+    report = run_actor(cfg, ActorReplay(cfg, lambda b: learner.step(b).priorities),
                        pull=lambda: learner.weights()[0])
     assert report.batches == learner.step_count == cfg.env_steps - cfg.warmup
     assert env_dims(env_id) == (16, 4)
@@ -138,16 +153,45 @@ def test_greedy_action_is_optimal_in_every_reachable_frozen_lake_state():
     assert greedy_return(env_id, q) == TASKS[env_id].optimal_return
 
 
+def test_an_actor_feeding_the_server_replay_is_reproducible():
+    """ServerReplay: each env step's transition inserted once, one TrainReplay step per step
+    after the warm-up; two runs of the same seed give bit-identical weights."""
+    pytest.importorskip("gymnasium")
+    from duelq.apps.gym_actor import ActorConfig, ServerReplay, run_actor
+    from duelq.apps.gym_demo import env_config
+    env_id = "FrozenLake-v1"
+    cfg = ActorConfig.of(env_id, env_steps=400)
+
+    def run() -> tuple[Learner, int]:
+        config = env_config(env_id, LearnerConfig(), LearnerConfig(), "replay")
+        learner = Learner(config, backend="reference")
+        feed = ServerReplay(cfg, lambda rows: learner.insert(rows).size,
+                            lambda: learner.train_replay(1), config.replay_min_size)
+        report = run_actor(cfg, feed, pull=lambda: learner.weights()[0])
+        return learner, report.batches
+    (first, batches), (second, _) = run(), run()
+    assert (first.config.replay_capacity, first.config.replay_batch_size,
+            first.config.replay_min_size) == (cfg.capacity, cfg.batch_size, cfg.batch_size)
+    info = first.replay_info()
+    assert batches == first.step_count == cfg.env_steps - cfg.warmup == 200
+    assert info.inserted == cfg.env_steps                 # one-step returns: a row a step
+    assert info.sampled == batches * cfg.batch_size
+    for a, b in zip(first.weights()[0].arrays(), second.weights()[0].arrays()):
+        np.testing.assert_array_equal(a, b)
+    assert first.replay_snapshot().checksum() == second.replay_snapshot().checksum()
+
+
 def test_greedy_action_is_optimal_in_every_reachable_cliff_walking_state():
     """The second task: 37 reachable states, rewards of −1 a move and −100 off the cliff
     (back to the start), an optimal return of −13."""
     pytest.importorskip("gymnasium")
-    from duelq.apps.gym_actor import TASKS, ActorConfig, check_policy, greedy_return, run_actor
+    from duelq.apps.gym_actor import (TASKS, ActorConfig, ActorReplay, check_policy,
+                                      greedy_return, run_actor)
     from duelq.apps.gym_demo import env_config
     env_id = "CliffWalking-v1"
     learner = Learner(env_config(env_id, LearnerConfig(), LearnerConfig()), backend="reference")
     cfg = ActorConfig.of(env_id)
-    run_actor(cfg, train=lambda b: learner.step(b).priorities,
+    run_actor(cfg, ActorReplay(cfg, lambda b: learner.step(b).priorities),
               pull=lambda: learner.weights()[0])
     check = check_policy(env_id, learner.weights()[0], cfg.gamma)
     print(f"greedy optimal in {check.optimal}/{check.states} states, "
@@ -171,6 +215,40 @@ def test_env_demo_learns_q_star_through_the_server(tmp_path, capsys):
     assert error < 0.1
     assert "greedy policy return 1 (optimum 1): reaches the optimum" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_env_demo_learns_q_star_through_the_server_replay(tmp_path, capsys):
+    """``--feed replay``: the same figures as the batches, the steps drawn on the server."""
+    pytest.importorskip("gymnasium")
+    from duelq.apps.cli import main
+    code = main(["demo", "--env", "FrozenLake-v1", "--actors", "1", "--backend", "reference",
+                 "--feed", "replay", "--plot", str(tmp_path / "frozen.png")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "feed: replay" in out
+    assert "2800 learner steps (drawn from the server's replay buffer)" in out
+    assert "greedy action optimal in 11/11 reachable states" in out
+    error = float(re.search(r"max \|Q − Q\*\| = ([\d.]+)", out).group(1))
+    assert error < 0.1
+    assert "greedy policy return 1 (optimum 1): reaches the optimum" in out
+
+
+def test_env_demo_feed_replay_refusals(make_server, capsys, monkeypatch):
+    pytest.importorskip("gymnasium")
+    from duelq.apps.cli import EXIT_USAGE, main
+    from duelq.apps.gym_demo import env_config
+    assert main(["demo", "--feed", "replay"]) == EXIT_USAGE
+    assert "--feed replay: needs --env" in capsys.readouterr().err
+    assert main(["demo", "--env", "FrozenLake-v1", "--feed", "replay",
+                 "--front-processes", "2"]) == EXIT_USAGE
+    assert "one-process server only" in capsys.readouterr().err
+    monkeypatch.setenv("DUELQ_FEED", "sideways")
+    assert main(["demo", "--env", "FrozenLake-v1"]) == EXIT_USAGE
+    assert "DUELQ_FEED='sideways'" in capsys.readouterr().err
+    monkeypatch.setenv("DUELQ_FEED", "replay")
+    plain = make_server(env_config("FrozenLake-v1", LearnerConfig(), LearnerConfig()))
+    assert main(["demo", "--env", "FrozenLake-v1", "--target", plain.target]) == 1
+    assert "--feed replay needs a server with its replay buffer on" in capsys.readouterr().out
 
 
 def test_env_demo_refuses_a_server_of_the_wrong_size(server, capsys):
