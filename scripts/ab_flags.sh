@@ -8,7 +8,8 @@
 #
 # FLAGS may start with "tree:DIR " to serve another checkout (DIR's packages, linked as
 # scripts/device_env.sh links this tree's; its own `duelq` command module in CLI_DIR, default
-# duelq.server.cli) against this tree's bench, e.g. base="tree:/tmp/base --front-process".
+# duelq.server.cli), benched by that checkout's own bench (its client speaks its proto),
+# e.g. base="tree:/tmp/base --front-process".
 #
 # Prints a table of steps/s per configuration and round, and the medians; bench JSON goes
 # to $OUT/ab (./duelq-ab/ab without OUT).  Exit status 1 if a server did not come up.
@@ -24,7 +25,7 @@ PORT=50093
 status=0
 for round in $(seq "${ROUNDS:-3}"); do
     for spec in "$@"; do
-        name=${spec%%=*} flags=${spec#*=} serve_path=$PYTHONPATH serve_cli=$CLI
+        name=${spec%%=*} flags=${spec#*=} serve_path=${PYTHONPATH:-} serve_cli=$CLI
         if [[ $flags == tree:* ]]; then
             tree=${flags%% *} tree=${tree#tree:} flags=${flags#* }
             shim=$(mktemp -d) && mkdir -p "$shim/duelq"
@@ -32,7 +33,8 @@ for round in $(seq "${ROUNDS:-3}"); do
                 [ -d "$tree/$pkg" ] && ln -s "$tree/$pkg" "$shim/duelq/$pkg"
             done
             ln -s "$tree/protos/duelq/v1" "$shim/duelq/v1"
-            serve_path=$shim:${PYTHONPATH#*:} serve_cli=${CLI_DIR:-duelq.server.cli}
+            rest=${PYTHONPATH:-} && rest=${rest#"${SHIM:-}"} && rest=${rest#:}   # less this tree
+            serve_path=$shim${rest:+:$rest} serve_cli=${CLI_DIR:-duelq.server.cli}
         fi
         # shellcheck disable=SC2086
         PYTHONPATH=$serve_path "$PY" -m $serve_cli --log-level WARNING serve --backend "${BACKEND:-cuda}" \
@@ -44,7 +46,7 @@ for round in $(seq "${ROUNDS:-3}"); do
             sleep 0.5
         done
         if [ $up = 1 ]; then
-            "$PY" -m $CLI bench --target "127.0.0.1:$PORT" --batch-sizes 1024 \
+            PYTHONPATH=$serve_path "$PY" -m $serve_cli bench --target "127.0.0.1:$PORT" --batch-sizes 1024 \
                 --wire-dtypes float32,float16 --actors "${ACTORS:-8}" --scaling-actors "" \
                 --echo-processes "${FRONTS:-8}" --no-experiments --no-device-step \
                 --duration "${DURATION:-3}" --out "$DEST/bench-$name-$round" >/dev/null 2>&1 \
