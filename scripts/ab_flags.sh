@@ -27,7 +27,7 @@ for round in $(seq "${ROUNDS:-3}"); do
     for spec in "$@"; do
         name=${spec%%=*} flags=${spec#*=} serve_path=${PYTHONPATH:-} serve_cli=$CLI
         if [[ $flags == tree:* ]]; then
-            tree=${flags%% *} tree=${tree#tree:} flags=${flags#* }
+            tree=${flags%% *} tree=${tree#tree:} flags=${flags#tree:"$tree"}
             shim=$(mktemp -d) && mkdir -p "$shim/duelq"
             for pkg in wire server client apps kernels; do
                 [ -d "$tree/$pkg" ] && ln -s "$tree/$pkg" "$shim/duelq/$pkg"
@@ -48,7 +48,7 @@ for round in $(seq "${ROUNDS:-3}"); do
         if [ $up = 1 ]; then
             PYTHONPATH=$serve_path "$PY" -m $serve_cli bench --target "127.0.0.1:$PORT" --batch-sizes 1024 \
                 --wire-dtypes float32,float16 --actors "${ACTORS:-8}" --scaling-actors "" \
-                --echo-processes "${FRONTS:-8}" --no-experiments --no-device-step \
+                --echo-processes "$(( ${FRONTS:-8} > 0 ? ${FRONTS:-8} : 1 ))" --no-experiments --no-device-step \
                 --duration "${DURATION:-3}" --out "$DEST/bench-$name-$round" >/dev/null 2>&1 \
                 || status=1
         else

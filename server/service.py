@@ -600,8 +600,8 @@ class LearnerService(pb_grpc.LearnerServicer):
                     return
                 if kind == FAILED:
                     raise item
+                reader.done()   # the next request is read and parsed while this one steps
                 yield self._train(item, context)
-                reader.done()
         finally:
             reader.close()
             self._streams.release()
