@@ -45,7 +45,7 @@ class NStepReturns:
             count = 1
         else:
             return None
-        rows = [self._emit(h_next, done=terminated) for _ in range(count)]
+        rows = [self._emit() for _ in range(count)]
         h_t, actions, rewards, discounts = zip(*rows)
         return Transitions(
             h_t=np.stack(h_t),                                                  # [n, H]
@@ -54,12 +54,12 @@ class NStepReturns:
             dones=np.full(count, float(terminated), np.float32),
             discounts=np.array(discounts, np.float32))
 
-    def _emit(self, h_last: np.ndarray, done: bool) -> tuple[np.ndarray, int, float, float]:
-        """(h, action, return, discount) of the oldest pending step, bootstrapping from
-        ``h_last``."""
+    def _emit(self) -> tuple[np.ndarray, int, float, float]:
+        """(h, action, return, discount) of the oldest pending step, up to the latest state
+        (its h_tp1)."""
         ret = sum(self.gamma ** k * r for k, (_, _, r) in enumerate(self._pending))
         h, a, _ = self._pending.popleft()
-        k = len(self._pending) + 1  # steps between h and h_last
+        k = len(self._pending) + 1  # steps between h and the latest state
         return h, a, ret, self.gamma ** k
 
 

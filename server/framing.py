@@ -146,10 +146,6 @@ class _Layout:
     def matches(self, data) -> bool:
         return all(data[at:at + len(head)] == head for at, head in self.heads)
 
-    def read_key(self, data) -> pb.RequestKey | None:
-        """The request's key (empty when it has none); None when its bytes do not parse."""
-        return pb.RequestKey() if self.key is None else _key(data, *self.key)
-
     def read(self, data, view: memoryview, kept: bool) -> WireTrainRequest | None:
         present: dict = {name: WireTensor(dtype, shape, view[start:stop] if stop > start
                                           else _EMPTY, start)

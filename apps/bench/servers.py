@@ -18,11 +18,9 @@ import numpy as np
 
 from duelq.server.core.backend import Backend, StepOutputs, Upload
 from duelq.server.core.batch import Batch, PackedBatch
-from duelq.wire.types import BFLOAT16
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.learner import Learner
 from duelq.server.core.reference import ReferenceBackend
-from duelq.server.fronts import start_server
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server.server import server_args as duelq_server_args
 from duelq.server.core.state import LearnerState
@@ -87,31 +85,6 @@ class NullBackend(ReferenceBackend):
 
     def discard(self) -> None:
         pass
-
-
-class UncheckedNullBackend(NullBackend):
-    """A NullBackend that, like cuda, leaves the values to the device (the host checks
-    dtypes and shapes only), takes 16-bit features as they come and packed batches as they
-    are: the host path of a cuda step without the device (benchmarks/learner_path.py and
-    relay_path.py)."""
-
-    checks_values = True
-    feature_dtypes = (np.dtype(np.float16), BFLOAT16)
-
-
-def serve_for_paths(config: LearnerConfig, backend: str, host_calls: str = "auto"
-                    ) -> LearnerServer:
-    """A started server (gRPC on an unused port) whose service the path benchmarks drive
-    directly, on ``backend``: cuda (its ``host_calls``: ServerOptions), reference, or null
-    (:class:`UncheckedNullBackend`)."""
-    if backend != "null":
-        return start_server(config, ServerOptions(port=0, host_calls=host_calls),
-                            backend=backend)
-    learner = Learner(config, backend=UncheckedNullBackend(config, LearnerState.initial(config)))
-    server = LearnerServer(ServerOptions(port=0))
-    server.start()
-    server.attach(learner)
-    return server
 
 
 class TimedBackend(Backend):

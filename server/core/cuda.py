@@ -135,10 +135,6 @@ class _Staging:
         cp.cuda.runtime.memcpyAsync(self.device_ptr, self.host_ptr if source is None else source,
                                     4 * words, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
 
-    def download(self, words: int, stream: cp.cuda.Stream) -> None:
-        cp.cuda.runtime.memcpyAsync(self.host_ptr, self.device_ptr, 4 * words,
-                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-
     def pack(self, batch: Batch) -> int:
         """Write ``batch`` in the kernel's packed input layout (:func:`packed_layout`: the
         features in their own dtype, then 32-bit words); returns the words used."""
@@ -247,8 +243,6 @@ class CudaBackend(Backend):
         # arguments as they are enqueued, so _fill_args() fills these in place.
         self._arg_params = [(ctypes.c_void_p * 1)(ctypes.addressof(a)) for a in self._args]
         self._arg_param_addresses = [ctypes.addressof(p) for p in self._arg_params]
-        self.sync_seconds = 0.0
-        """Seconds the steps' syncs have waited for the device (not host work: benchmarks)."""
         self._step_call = StepCall(threads=THREADS, stream=self.stream.ptr)
         self._step_call_address = ctypes.addressof(self._step_call)
         self.load(state)
@@ -548,7 +542,6 @@ class CudaBackend(Backend):
         call.out, call.out_device = out.host_ptr, out.device_ptr
         call.out_bytes, call.parts = 4 * words, out.host_ptr + 4 * (2 * B + 1)
         status = self._native.step(self._step_call_address)
-        self.sync_seconds += call.synced_s
         if status:
             driver.check_status(status)
         return call.totals[:]

@@ -10,7 +10,6 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -26,12 +25,6 @@ static CUresult (*launch_cooperative)(CUfunction, unsigned, unsigned, unsigned, 
 static CUresult (*event_record)(CUevent, CUstream);
 static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
 static CUresult (*stream_synchronize)(CUstream);
-
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* Resolve the driver's entry points; 0 on success, else the 1-based index of the one
  * missing (-1: no libcuda.so.1). */
@@ -96,7 +89,6 @@ struct duelq_step {
     size_t out_bytes;
     const float *parts;    /* in out: the [5][blocks] partials */
     double totals[5];
-    double synced_s;       /* seconds the sync waited for the device */
 };
 
 int duelq_step(struct duelq_step *s) {
@@ -105,9 +97,7 @@ int duelq_step(struct duelq_step *s) {
     if (r == 0) r = launch_cooperative(s->fn, s->blocks, 1, 1, s->threads, 1, 1, s->smem,
                                       s->stream, s->params);
     if (r == 0) r = memcpy_dtoh(s->out, s->out_device, s->out_bytes, s->stream);
-    double start = seconds();
     CUresult synced = stream_synchronize(s->stream);
-    s->synced_s = seconds() - start;
     if (r == 0) r = synced;
     if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);
     return r;
