@@ -226,7 +226,7 @@ struct CommitArgs {
     int batch;                  // B
     int step_blocks;            // G of the learner_step launch that wrote `out`
     int isv_size;
-    int slot;                   // the step's position in the run: its stats row
+    int stats_row;              // the step's position in the run: its row of stats
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_commit(const CommitArgs a) {
@@ -267,9 +267,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_commit(const Com
             loss = __dadd_rn(loss, (double)head[1 + 2 * G + g]);
             q = __dadd_rn(q, (double)head[1 + 3 * G + g]);
         }
-        a.stats[3 * a.slot] = __ddiv_rn(loss, (double)B);
-        a.stats[3 * a.slot + 1] = __ddiv_rn(q, (double)B);
-        a.stats[3 * a.slot + 2] = __dsqrt_rn(norm2);
+        a.stats[3 * a.stats_row] = __ddiv_rn(loss, (double)B);
+        a.stats[3 * a.stats_row + 1] = __ddiv_rn(q, (double)B);
+        a.stats[3 * a.stats_row + 2] = __dsqrt_rn(norm2);
         a.control[1] += 1u;
     }
     __threadfence();

@@ -241,5 +241,5 @@ class CudaReplay(ReplayBuffer):
             control=self._report.data.ptr, stats=self._report.data.ptr + 8,
             arrivals=self._arrivals.data.ptr, alpha=config.replay_alpha,
             barrier=self._barriers(self._commit_barriers), batch=config.replay_batch_size,
-            step_blocks=G, isv_size=config.isv_size, slot=index)
+            step_blocks=G, isv_size=config.isv_size, stats_row=index)
         b._launch_cooperative(self._commit, self._grid, THREADS, 0, args)
