@@ -4,7 +4,8 @@
 
 A replay step is three launches (replay_sample, learner_step, replay_commit: the draw, the
 step, the write-back and the tree update); the plain step is learner_step alone on the same
-gathered batch. Both are timed as benchmarks/device_step.py times a step (the queue filled
+gathered batch; "draw alone" and "commit alone" time replay_sample and replay_commit by
+themselves. Both are timed as benchmarks/device_step.py times a step (the queue filled
 behind a spin kernel, CUDA events around K calls, the median over reps). "run" is the wall
 time per step of CudaReplay.train(64) from the host, syncs included. The buffer holds
 ``--capacity`` random float32 rows of H = 128 (N = 11) with random priorities; each size's
@@ -62,14 +63,23 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
     def plain_step() -> None:
         backend.launch(B, True, replay._gathered, replay._kind)
 
+    def draw() -> None:
+        replay._launch_sample(next(draws))
+
+    def commit() -> None:        # the last step's outputs, committed again
+        replay._launch_commit(0, G)
+
     with backend.stream:
         replay_us = timer.device_us(backend.stream, replay_step)
         plain_us = timer.device_us(backend.stream, plain_step)
+        draw_us = timer.device_us(backend.stream, draw)
+        commit_us = timer.device_us(backend.stream, commit)
     start = time.perf_counter()
     run = learner.train_replay(64 * 8)
     run_us = 1e6 * (time.perf_counter() - start) / max(run.steps, 1)
     return {"capacity": capacity, "batch": B, "replay_us": replay_us, "plain_us": plain_us,
-            "ratio": replay_us / plain_us, "run_us": run_us}
+            "ratio": replay_us / plain_us, "run_us": run_us,
+            "draw_us": draw_us, "commit_us": commit_us}
 
 
 def main() -> None:
@@ -83,11 +93,13 @@ def main() -> None:
     timer = Timer(args.k, args.reps)
     rows = [measure(args.capacity, B, timer, rng) for B in args.sizes]
     print(f"## replay step, {args.capacity} rows, H = 128, N = 11 (device µs per step)")
-    print("| B | replay step | plain step | replay / plain | host run, µs/step |")
-    print("|---|---|---|---|---|")
+    print("| B | replay step | plain step | replay / plain | draw alone | commit alone "
+          "| host run, µs/step |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['replay_us']:.1f} | {r['plain_us']:.1f} | "
-              f"{r['ratio']:.2f} | {r['run_us']:.1f} |")
+              f"{r['ratio']:.2f} | {r['draw_us']:.1f} | {r['commit_us']:.1f} | "
+              f"{r['run_us']:.1f} |")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "replay_step.json").write_text(json.dumps(rows, indent=1))
 

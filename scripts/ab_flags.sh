@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # ab_flags.sh — server settings against each other, alternated on one host: for each of
 # ROUNDS rounds, every configuration in turn is started, benched with `duelq bench
-# --target` (B = 1024, $ACTORS actors, TrainStream float32 and float16 plus unary, the
+# --target` (B = $BATCH, $ACTORS actors, TrainStream float32 and float16 plus unary, the
 # byte-stream echo served by $FRONTS processes as the ceiling) and stopped.
 #
-#   [ROUNDS=3] [FRONTS=8] [ACTORS=8] [DURATION=3] scripts/ab_flags.sh NAME="FLAGS" …
+#   [ROUNDS=3] [FRONTS=8] [ACTORS=8] [DURATION=3] [BATCH=1024] scripts/ab_flags.sh NAME="FLAGS" …
 #
 # FLAGS may start with "tree:DIR " to serve another checkout (DIR's packages, linked as
-# scripts/device_env.sh links this tree's; its own `duelq` command module in CLI_DIR, default
-# duelq.server.cli), benched by that checkout's own bench (its client speaks its proto),
+# scripts/device_env.sh links this tree's; its own `duelq` command: apps/cli.py, or
+# server/cli.py in an older tree), benched by that checkout's own bench (its client speaks its proto),
 # e.g. base="tree:/tmp/base --front-process".
 #
 # Prints a table of steps/s per configuration and round, and the medians; bench JSON goes
@@ -34,7 +34,8 @@ for round in $(seq "${ROUNDS:-3}"); do
             done
             ln -s "$tree/protos/duelq/v1" "$shim/duelq/v1"
             rest=${PYTHONPATH:-} && rest=${rest#"${SHIM:-}"} && rest=${rest#:}   # less this tree
-            serve_path=$shim${rest:+:$rest} serve_cli=${CLI_DIR:-duelq.server.cli}
+            serve_path=$shim${rest:+:$rest} serve_cli=duelq.server.cli
+            [ -f "$tree/apps/cli.py" ] && serve_cli=duelq.apps.cli
         fi
         # shellcheck disable=SC2086
         PYTHONPATH=$serve_path "$PY" -m $serve_cli --log-level WARNING serve --backend "${BACKEND:-cuda}" \
@@ -46,7 +47,7 @@ for round in $(seq "${ROUNDS:-3}"); do
             sleep 0.5
         done
         if [ $up = 1 ]; then
-            PYTHONPATH=$serve_path "$PY" -m $serve_cli bench --target "127.0.0.1:$PORT" --batch-sizes 1024 \
+            PYTHONPATH=$serve_path "$PY" -m $serve_cli bench --target "127.0.0.1:$PORT" --batch-sizes "${BATCH:-1024}" \
                 --wire-dtypes float32,float16 --actors "${ACTORS:-8}" --scaling-actors "" \
                 --echo-processes "$(( ${FRONTS:-8} > 0 ? ${FRONTS:-8} : 1 ))" --no-experiments --no-device-step \
                 --duration "${DURATION:-3}" --out "$DEST/bench-$name-$round" >/dev/null 2>&1 \

@@ -101,7 +101,8 @@ def same_shape(handler: grpc.RpcMethodHandler, behaviour, request_deserializer, 
 class Watchdog:
     """Cancels each call whose awaited request has not come ``timeout_s`` after :meth:`arm`,
     unless :meth:`disarm` came first.  One thread for all calls; every wait is as long, so
-    the oldest armed is the next due, and arming and disarming cost O(1)."""
+    the oldest armed is the next due, and arming and disarming cost O(1) and wake no
+    thread."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
@@ -119,8 +120,6 @@ class Watchdog:
                                                 daemon=True)
                 self._thread.start()
             self._armed[key] = (time.monotonic() + self.timeout_s, context, method)
-            if len(self._armed) == 1:
-                self._changed.notify()
         return key
 
     def disarm(self, key: int) -> None:
@@ -133,12 +132,15 @@ class Watchdog:
             self._changed.notify()
 
     def _run(self) -> None:
+        # Never woken by arm: a call armed now is due after every armed one and at most
+        # timeout_s after this thread's next look, so it is cancelled on time regardless.
         while True:
             with self._changed:
-                while not self._armed and not self._closed:
-                    self._changed.wait()
                 if self._closed:
                     return
+                if not self._armed:
+                    self._changed.wait(self.timeout_s)
+                    continue
                 key, (due, context, method) = next(iter(self._armed.items()))
                 left = due - time.monotonic()
                 if left > 0:
@@ -250,44 +252,63 @@ class Gate(grpc.ServerInterceptor):
         self.watchdog.close()
 
 
-#: What a :class:`StreamReader` puts in its inbox: ``(REQUEST, message)`` for each request,
-#: then ``(END, None)`` at the half-close or ``(FAILED, exception)`` (the call was
-#: cancelled, or a request's bytes did not parse).
-REQUEST, END, FAILED = "request", "end", "failed"
+#: What a :class:`StreamReader` puts in its inbox: ``(REQUEST, message)`` for each request
+#: (or, with ``handle``, ``(STOPPED, why)`` when it refused one), then ``(END, None)`` at the
+#: half-close or ``(FAILED, exception)`` (the call was cancelled, or a request's bytes did
+#: not parse).
+REQUEST, STOPPED, END, FAILED = "request", "stopped", "end", "failed"
 
 
 class StreamReader:
-    """Reads a streaming call's requests on a thread of its own into ``inbox``, at most
-    ``ahead`` beyond those the handler is done with (:meth:`done`).  grpc's iterator waits
-    for ever; the handler waits on ``inbox`` instead, with a deadline, and may put other
-    things there (a front's replies).  A stream whose answers are not read stops being
-    read, so HTTP/2 flow control stops its client."""
+    """Reads a streaming call's requests on a thread of its own, at most ``ahead`` beyond
+    those the handler is done with (:meth:`done`).  grpc's iterator waits for ever; the
+    handler waits on ``inbox`` instead, with a deadline, and may put other things there (a
+    front's replies).  A stream whose answers are not read stops being read, so HTTP/2
+    flow control stops its client.
 
-    def __init__(self, requests: Iterator, inbox: queue.SimpleQueue, ahead: int):
-        self._credits = threading.Semaphore(ahead)
+    Each request goes into ``inbox``, or, given ``handle``, to ``handle`` on the reader's
+    thread (a front sends it on while the handler writes earlier answers): ``handle``
+    returns None, or why it refused the request, which ends the reading.  :attr:`handled`
+    counts the requests ``handle`` took, each counted before it is handed over."""
+
+    def __init__(self, requests: Iterator, inbox: queue.SimpleQueue, ahead: int,
+                 handle: Callable[[object], str | None] | None = None):
+        self._credits: queue.SimpleQueue = queue.SimpleQueue()   # a token per read allowed
+        for _ in range(ahead):
+            self._credits.put(None)
         self._closed = False
-        threading.Thread(target=self._read, args=(requests, inbox), daemon=True,
+        self.handled = 0
+        threading.Thread(target=self._read, args=(requests, inbox, handle), daemon=True,
                          name="duelq-stream-reader").start()
 
-    def _read(self, requests: Iterator, inbox: queue.SimpleQueue) -> None:
+    def _read(self, requests: Iterator, inbox: queue.SimpleQueue,
+              handle: Callable[[object], str | None] | None) -> None:
         try:
             while True:
-                self._credits.acquire()
+                self._credits.get()
                 if self._closed:
                     return
                 request = next(requests, None)
                 if request is None:
                     inbox.put((END, None))
                     return
-                inbox.put((REQUEST, request))
+                if handle is None:
+                    inbox.put((REQUEST, request))
+                    continue
+                self.handled += 1
+                why = handle(request)
+                if why is not None:
+                    self.handled -= 1
+                    inbox.put((STOPPED, why))
+                    return
         except Exception as exc:  # noqa: BLE001 — handed to the handler, which answers it
             inbox.put((FAILED, exc))
 
     def done(self) -> None:
         """The handler is done with one request: one more may be read."""
-        self._credits.release()
+        self._credits.put(None)
 
     def close(self) -> None:
         """Read no more (a read under way ends with the call)."""
         self._closed = True
-        self._credits.release()
+        self._credits.put(None)

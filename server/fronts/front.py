@@ -71,7 +71,7 @@ from duelq.server.fronts.relay import (CLOSED, LEARNER_GONE, QUEUE_FULL, REPLY, 
                                        FrontStream, RelayCall, RelayClosed, RelayFront,
                                        RelayLearner)
 from duelq.server.fronts.shared import SharedCounts
-from duelq.server.gate import END, FAILED, REQUEST, StreamReader
+from duelq.server.gate import END, FAILED, STOPPED, StreamReader
 from duelq.server.logs import setup_logging
 from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions,
                                  add_health_and_reflection, bind, grpc_server, local_target,
@@ -478,7 +478,8 @@ class FrontServer:
                          ResourceExhausted(too_many_streams(self.options.max_streams)))
         try:
             stream = self._open(context, unary=False)
-            reader = StreamReader(requests, stream.inbox, ahead=STREAM_DEPTH)
+            reader = StreamReader(requests, stream.inbox, ahead=STREAM_DEPTH,
+                                  handle=stream.submit)
             try:
                 yield from self._relay_stream(stream, reader, context)
             finally:
@@ -489,29 +490,25 @@ class FrontServer:
 
     def _relay_stream(self, stream: FrontStream, reader: StreamReader,
                       context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Send the stream's requests to the learner as ``reader`` reads them and yield
-        their answers in order.  A refusal ends the stream once the answers before it are
-        out; no request is sent after it.  With nothing at the learner and no request for
-        ``receive_timeout_s``, the stream ends UNAVAILABLE, as with one process."""
+        """Yield the answers of the requests ``reader`` sends to the learner, in order.  A
+        refusal ends the stream once the answers before it are out; no request is sent
+        after it.  With nothing at the learner and no request for ``receive_timeout_s``, the
+        stream ends UNAVAILABLE, as with one process."""
         timeout = self.options.receive_timeout_s
-        sent = answered = 0
+        answered = 0
         reading, unsent = True, None   # unsent: why a request was not sent; it ends the stream
-        while reading or answered < sent:
+        while reading or answered < reader.handled:
             try:
-                kind, item = stream.inbox.get(timeout=timeout if answered == sent else None)
+                kind, item = stream.inbox.get(
+                    timeout=timeout if answered == reader.handled else None)
             except queue.Empty:
                 self._refuse(context, "TrainStream", StreamIdle(stream_idle(timeout)))
             if kind == REPLY:
                 answered += 1
                 yield _reply_payload(context, *item)   # a refusal ends the stream here
                 reader.done()
-            elif kind == REQUEST and reading:
-                unsent = stream.submit(item)
-                if unsent is None:
-                    sent += 1
-                else:
-                    reading = False
-                    reader.close()
+            elif kind == STOPPED:
+                reading, unsent = False, item
             elif kind == END:
                 reading = False
             elif kind in (FAILED, CLOSED):   # the call was cancelled or has ended
