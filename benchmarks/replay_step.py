@@ -5,8 +5,9 @@
 A replay step is three launches (replay_sample, learner_step, replay_commit: the draw, the
 step, the write-back and the tree update); the plain step is learner_step alone on the same
 gathered batch; "draw alone" and "commit alone" time replay_sample and replay_commit by
-themselves. Both are timed as benchmarks/device_step.py times a step (the queue filled
-behind a spin kernel, CUDA events around K calls, the median over reps). "run" is the wall
+themselves, the commit also on other block counts than REPLAY_BLOCKS
+(server/core/cuda_replay.py). All are timed as benchmarks/device_step.py times a step (the
+queue filled behind a spin kernel, CUDA events around K calls, the median over reps). "run" is the wall
 time per step of CudaReplay.train(64) from the host, syncs included. The buffer holds
 ``--capacity`` random float32 rows of H = 128 (N = 11) with random priorities; each size's
 first run is checked to apply every step before anything is timed. Prints a table; writes
@@ -21,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+import cupy as cp
 import numpy as np
 
 from device_step import Timer
@@ -74,12 +76,18 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
         plain_us = timer.device_us(backend.stream, plain_step)
         draw_us = timer.device_us(backend.stream, draw)
         commit_us = timer.device_us(backend.stream, commit)
+        sweep, grid = {}, replay._grid
+        replay._arrivals = cp.zeros(backend.max_blocks, np.uint32)   # room for any grid
+        for blocks in sorted({8, 16, 32, 64, backend.max_blocks}):
+            replay._grid = blocks
+            sweep[blocks] = timer.device_us(backend.stream, commit)
+        replay._grid = grid
     start = time.perf_counter()
     run = learner.train_replay(64 * 8)
     run_us = 1e6 * (time.perf_counter() - start) / max(run.steps, 1)
     return {"capacity": capacity, "batch": B, "replay_us": replay_us, "plain_us": plain_us,
             "ratio": replay_us / plain_us, "run_us": run_us,
-            "draw_us": draw_us, "commit_us": commit_us}
+            "draw_us": draw_us, "commit_us": commit_us, "commit_by_blocks": sweep}
 
 
 def main() -> None:
@@ -100,6 +108,9 @@ def main() -> None:
         print(f"| {r['batch']} | {r['replay_us']:.1f} | {r['plain_us']:.1f} | "
               f"{r['ratio']:.2f} | {r['draw_us']:.1f} | {r['commit_us']:.1f} | "
               f"{r['run_us']:.1f} |")
+    for r in rows:
+        print(f"commit alone by blocks, B = {r['batch']}: " + ", ".join(
+            f"{g}: {us:.1f} µs" for g, us in r["commit_by_blocks"].items()))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "replay_step.json").write_text(json.dumps(rows, indent=1))
 

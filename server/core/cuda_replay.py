@@ -34,6 +34,10 @@ from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, R
 from duelq.wire.types import Batch, Transitions
 
 RUN_STEPS = 64           # steps between two syncs (rows of the report)
+#: Blocks of replay_commit and replay_insert (fewer on a smaller device).  Every loop in them
+#: is grid-strided, so any count gives the same bits; a grid barrier's wait grows with the
+#: blocks it polls, and benchmarks/replay_step.py's sweep puts the best count here.
+REPLAY_BLOCKS = 32
 HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
 _WORD = 0xFFFFFFFF
 
@@ -64,7 +68,7 @@ class CudaReplay(ReplayBuffer):
         self._dtype = STORAGE_DTYPES[config.replay_dtype]
         self._kind = FEATURE_KINDS[self._dtype]
         self._levels = tree_levels(C)
-        self._grid = backend.max_blocks      # blocks of the cooperative kernels
+        self._grid = min(REPLAY_BLOCKS, backend.max_blocks)   # of the cooperative kernels
         self._barrier = 1                    # the next grid barrier's target
         self._compile()
         bits = np.uint16 if self._dtype.itemsize == 2 else np.float32
