@@ -1,4 +1,4 @@
-# device_env.sh — sourced by gpu_check.sh and bench_gpu.sh (expects ROOT and PY): makes
+# device_env.sh — sourced by gpu_check.sh and ab_flags.sh (expects ROOT and PY): makes
 # duelq importable on a bare GPU image. Wheels the image lacks, carried in .whl (see
 # scripts/device_wheels.sh), go to /tmp/site; without an installed duelq, a folder of links
 # (duelq/server, client, kernels, v1) goes on PYTHONPATH.

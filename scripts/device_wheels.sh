@@ -2,9 +2,8 @@
 # device_wheels.sh — download into .whl/ the wheels (pure Python, and ml_dtypes for cp312) that
 # the GPU machine's image lacks (it has grpcio 1.84.0, protobuf, numpy, cupy, torch, matplotlib, tqdm, safetensors,
 # prometheus-client, but nothing can be installed from the network there).  Carry `.whl`
-# with the device call; scripts/bench_gpu.sh installs it, or start the command with
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   export PYTHONPATH=/tmp/site
+# with the device call; scripts/device_env.sh installs it (gpu_check.sh and ab_flags.sh
+# source it; elsewhere: `ROOT=$PWD PY=python3 . scripts/device_env.sh`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qsx '/.whl/' .git/info/exclude || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
