@@ -239,8 +239,9 @@ def test_max_queue_is_server_wide_and_refused_at_once(served):
                                                  queue_full(MAX_QUEUE))] * REFUSED
         waited = [c for c in calls if c.exception(timeout=30) is None]
         assert len(waited) == MAX_QUEUE
-        assert sorted(c.result().step for c in waited) == list(range(before + 2,
-                                                                     before + 2 + MAX_QUEUE))
+        # Each applied once; with two fronts the held step need not be the first applied.
+        got = sorted(c.result().step for c in waited)
+        assert len(set(got)) == MAX_QUEUE and before < got[0] and got[-1] <= before + 1 + MAX_QUEUE
         assert steps(served) == before + 1 + MAX_QUEUE   # the held step and those that waited
     finally:
         for channel in channels:
