@@ -16,7 +16,8 @@ from duelq.apps import cli
 from duelq.client import LearnerClient, ReplayInfo, Transitions, errors
 from duelq.client.client import INSERT_FIELDS, _transition_arrays, _wire_request
 from duelq.server.core.config import LearnerConfig
-from duelq.server.fronts import FrontServer
+from duelq.server.core.errors import ReplayTooLarge
+from duelq.server.fronts import FrontServer, start_server
 from duelq.server.server import ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -305,6 +306,20 @@ def test_fronts_answer_unavailable_before_the_learner_process_is_up():
             assert code == grpc.StatusCode.UNAVAILABLE and "still starting" in details
     finally:
         front.stop(0)
+
+
+def test_a_replay_too_large_for_its_memory_is_refused_as_with_one_process(capsys):
+    huge = ["--replay-capacity", str(1 << 30), "--replay-min-size", "1", "--hidden-dim",
+            "1024", "--backend", "reference", "--port", "0"]
+    with pytest.raises(ReplayTooLarge, match="GiB of host memory"):
+        start_server(cli.from_args(LearnerConfig, cli.build_parser().parse_args(
+            ["serve"] + huge)), ServerOptions(port=0, front_processes=1), backend="reference")
+    said = []
+    for fronts in ("0", "1"):
+        assert cli.main(["serve", "--front-processes", fronts] + huge) == cli.EXIT_USAGE
+        said.append([line.partition(" ERROR ")[2] for line in capsys.readouterr().err.splitlines()
+                     if "refusing to start" in line])
+    assert said[0] == said[1] and len(said[0]) == 1
 
 
 def test_replay_settings_are_flags_and_environment_variables(monkeypatch):

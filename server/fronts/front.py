@@ -65,7 +65,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.server.core.batch import PackedBatch
 from duelq.server.core.checkpoint import CheckpointError
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import ResourceExhausted
+from duelq.server.core.errors import ReplayTooLarge, ResourceExhausted
 from duelq.server.core.native import stream_copy
 from duelq.server.fronts.packing import Packer
 from duelq.server.fronts.relay import (CLOSED, LEARNER_GONE, QUEUE_FULL, REPLY, BufferPool,
@@ -261,7 +261,8 @@ class FrontServer:
         """Start the learner process (resuming from ``checkpoint_dir``) and report SERVING.
 
         Returns what it says of itself (backend, device, step).  Raises
-        :class:`CheckpointError` or :class:`LearnerProcessError` when it cannot start.
+        :class:`CheckpointError`, :class:`ReplayTooLarge` or :class:`LearnerProcessError`
+        when it cannot start.
         """
         o = self.options
         self._buffers = buffers = _buffer_pool(o)
@@ -285,9 +286,12 @@ class FrontServer:
         except EOFError:
             raise LearnerProcessError("the learner process exited while starting "
                                       "(see its log above)") from None
-        if kind == "checkpoint":
-            raise CheckpointError(*info)
-        if kind != "ready":
+        if kind != "ready":   # it exits: stop() then finds it gone, with nothing to say
+            self._process.join(STOP_ACK_TIMEOUT_S)
+            if kind == "checkpoint":
+                raise CheckpointError(*info)
+            if kind == "replay":
+                raise ReplayTooLarge(info)
             raise LearnerProcessError(info)
         self._connect(mine, buffers)
         self._start_fronts(ctx)
@@ -681,6 +685,10 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         server.serve_learner(config, backend=backend)
     except CheckpointError as exc:
         _tell(conn, ("checkpoint", (str(exc.path), exc.problem)))
+        server.stop(0)
+        return
+    except ReplayTooLarge as exc:   # the front raises it again: serve's own exit and words
+        _tell(conn, ("replay", str(exc)))
         server.stop(0)
         return
     except Exception as exc:  # noqa: BLE001 — reported to the front, which exits with it
