@@ -292,6 +292,20 @@ def test_fronts_count_an_insert_stream_against_max_streams(make_server):
     feed.put(None)
     assert list(held) == []   # half-closed and over: its place is back
     assert [a.size for a in s.InsertStream(iter([insert_request(rows(rng, 2))]))] == [4]
+    cancelled = s.InsertStream(iter(feed.get, None))
+    feed.put(insert_request(rows(rng, 2)))
+    assert next(cancelled).size == 6
+    cancelled.cancel()   # its place comes back, and the learner process's stream ends too
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            answers = list(s.InsertStream(iter([insert_request(rows(rng, 2))])))
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "the cancelled stream kept its place"
+            time.sleep(0.02)
+    assert [a.size for a in answers] == [8]
 
 
 def test_fronts_answer_unavailable_before_the_learner_process_is_up():
