@@ -406,9 +406,6 @@ def serve(args: argparse.Namespace) -> int:
     from duelq.server.fronts import make_server
     from duelq.server.server import ServerOptions
     config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
-    if options.front_processes and config.replay_capacity:
-        raise UsageError("--replay-capacity: the server-side replay buffer runs with the "
-                         "one-process server only (--front-processes 0)")
     try:
         server = make_server(options)
     except InvalidArgument as exc:  # an unreadable or empty --token-file
@@ -477,9 +474,6 @@ def demo(args: argparse.Namespace) -> int:
     if args.feed == "replay" and not args.env:
         raise UsageError("--feed replay: needs --env (the synthetic demo streams batches)")
     options = from_args(ServerOptions, args)
-    if args.feed == "replay" and not args.target and options.front_processes:
-        raise UsageError("--feed replay: the server-side replay buffer runs with the "
-                         "one-process server only (--front-processes 0)")
     config = from_args(LearnerConfig, args)
     if args.env:
         defaults = from_args(LearnerConfig, build_parser("demo").parse_args(["demo"]))

@@ -72,8 +72,6 @@ RECORDED_KINDS = {"TrainResponse": pb.TrainResponse,
                 "ComputeEntropyResponse": pb.ComputeEntropyResponse,
                 "InsertStreamResponse": pb.InsertStreamResponse,
                 "TrainReplayResponse": pb.TrainReplayResponse}
-#: The replay buffer's rpcs (served by the one-process server only).
-REPLAY_BUFFER_RPCS = ("InsertStream", "TrainReplay", "GetReplayInfo")
 #: Most steps of one TrainReplay request.
 MAX_REPLAY_STEPS = 4096
 #: The checkpoint extra that holds the replay buffer (``--checkpoint-replay``).

@@ -239,9 +239,6 @@ def test_env_demo_feed_replay_refusals(make_server, capsys, monkeypatch):
     from duelq.apps.gym_demo import env_config
     assert main(["demo", "--feed", "replay"]) == EXIT_USAGE
     assert "--feed replay: needs --env" in capsys.readouterr().err
-    assert main(["demo", "--env", "FrozenLake-v1", "--feed", "replay",
-                 "--front-processes", "2"]) == EXIT_USAGE
-    assert "one-process server only" in capsys.readouterr().err
     monkeypatch.setenv("DUELQ_FEED", "sideways")
     assert main(["demo", "--env", "FrozenLake-v1"]) == EXIT_USAGE
     assert "DUELQ_FEED='sideways'" in capsys.readouterr().err

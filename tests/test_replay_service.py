@@ -5,6 +5,7 @@ replay_ratio, checkpoints with --checkpoint-replay, and the refusals."""
 from __future__ import annotations
 
 import dataclasses
+import queue
 import time
 
 import grpc
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 
 from duelq.apps import cli
-from duelq.client import LearnerClient, Transitions, errors
+from duelq.client import LearnerClient, ReplayInfo, Transitions, errors
 from duelq.client.client import INSERT_FIELDS, _transition_arrays, _wire_request
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import InvalidArgument
-from duelq.server.fronts import start_server
+from duelq.server.core.errors import ReplayTooLarge
+from duelq.server.fronts import FrontServer, start_server
 from duelq.server.server import ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -52,6 +53,18 @@ def refusal(call, *args) -> tuple[grpc.StatusCode, str]:
         if not isinstance(result, pb.InsertStreamResponse) and hasattr(result, "__iter__"):
             list(result)
     return info.value.code(), info.value.details()
+
+
+def held_ratio(client: LearnerClient, ratio: float) -> ReplayInfo:
+    """The buffer's figures once the server's replay loop has run every step ``ratio`` asks
+    for (it runs on a thread of its own)."""
+    deadline = time.monotonic() + 60
+    while True:
+        info = client.replay_info()
+        if info.sampled + info.batch_size > ratio * info.inserted or \
+                time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -157,13 +170,7 @@ def test_the_server_holds_the_replay_ratio_by_itself(make_server):
     with LearnerClient(server.target) as client:
         for _ in range(10):
             client.insert(rows(rng, 8))
-        deadline = time.monotonic() + 60
-        while True:   # the loop runs on its own thread: wait until nothing is due
-            info = client.replay_info()
-            if info.sampled + info.batch_size > 2.0 * info.inserted or \
-                    time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        info = held_ratio(client, 2.0)
     assert info.inserted == 80
     assert info.sampled == 160 and info.ratio == 2.0
     assert server.learner.step_count == 10 and server.replay_loop.steps == 10
@@ -210,11 +217,123 @@ def test_without_checkpoint_replay_a_resumed_buffer_starts_empty(make_server, tm
     assert resumed.learner.replay_info().size == 0
 
 
-def test_fronts_refuse_the_buffer_at_start(tmp_path):
-    with pytest.raises(InvalidArgument, match="replay_capacity"):
-        start_server(CONFIG, ServerOptions(port=0, front_processes=1), backend="reference")
-    assert cli.main(["serve", "--front-processes", "1", "--replay-capacity", "64",
-                     "--replay-min-size", "1", "--port", "0"]) == cli.EXIT_USAGE
+@pytest.fixture(params=[1, 2], ids=["1-front", "2-fronts"])
+def fronts(request) -> int:
+    """``front_processes`` of a server whose rpcs pass through fronts to a learner process."""
+    return request.param
+
+
+def test_fronts_insert_train_and_report(make_server, fronts):
+    server = make_server(CONFIG, front_processes=fronts)
+    rng = np.random.default_rng(10)
+    s = stub(server)
+    with LearnerClient(server.target) as client:
+        one = client.insert(rows(rng, 6))
+        assert (one.rows, one.size, one.inserted, one.replayed) == (6, 6, 6, False)
+        sent = insert_request(rows(rng, 7), "actor-f", 1)
+        first = list(s.InsertStream(iter([sent])))
+        again = list(s.InsertStream(iter([sent])))   # a retried key: stored once
+        assert [(a.rows, a.size, a.replayed) for a in first + again] == [
+            (7, 13, False), (7, 13, True)]
+        result = client.train_replay(3)
+        assert (result.steps, result.refused, result.step, result.version) == (3, False, 3, 3)
+        info = client.replay_info()
+        assert (info.capacity, info.size, info.inserted, info.sampled, info.draws) == (
+            128, 13, 13, 48, 3)
+        assert info.ratio == pytest.approx(48 / 13) and info.dtype == "float32"
+        assert client.info().step == 3
+
+
+def test_fronts_refuse_a_bad_insert_naming_its_field_and_store_nothing(make_server, fronts):
+    server = make_server(CONFIG, front_processes=fronts)
+    rng = np.random.default_rng(11)
+    good = insert_request(rows(rng, 4), "actor-g", 1)
+    bad = insert_request(dataclasses.replace(rows(rng, 4), actions=np.array([0, N, 0, 0],
+                                                                            np.int32)),
+                         "actor-g", 2)
+    answers, call = [], stub(server).InsertStream(iter([good, bad, good]))
+    with pytest.raises(grpc.RpcError) as info:
+        for answer in call:
+            answers.append(answer)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("actions:")
+    assert [a.key.seq for a in answers] == [1]
+    with LearnerClient(server.target) as client:
+        assert client.replay_info().size == 4
+        with pytest.raises(errors.InvalidArgument, match="rewards"):
+            client.insert(dataclasses.replace(rows(rng, 2), rewards=np.array([1.0, np.nan],
+                                                                             np.float32)))
+        assert client.replay_info().inserted == 4
+
+
+def test_the_learner_process_holds_the_replay_ratio(make_server, fronts):
+    server = make_server(dataclasses.replace(CONFIG, replay_ratio=2.0), front_processes=fronts)
+    rng = np.random.default_rng(12)
+    with LearnerClient(server.target) as client:
+        for _ in range(10):
+            client.insert(rows(rng, 8))
+        info = held_ratio(client, 2.0)
+        assert (info.inserted, info.sampled, info.ratio) == (80, 160, 2.0)
+        assert client.info().step == 10
+
+
+def test_fronts_count_an_insert_stream_against_max_streams(make_server):
+    server = make_server(CONFIG, front_processes=2, max_streams=1)
+    rng = np.random.default_rng(13)
+    s = stub(server)
+    feed: queue.SimpleQueue = queue.SimpleQueue()
+    held = s.InsertStream(iter(feed.get, None))
+    feed.put(insert_request(rows(rng, 2), "actor-h", 1))
+    assert next(held).size == 2   # open, holding the one place
+    limit = "too many concurrent TrainStreams (limit 1)"
+    assert refusal(s.InsertStream, iter([insert_request(rows(rng, 2))])) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, limit)
+    assert refusal(s.TrainStream, iter([])) == (grpc.StatusCode.RESOURCE_EXHAUSTED, limit)
+    feed.put(None)
+    assert list(held) == []   # half-closed and over: its place is back
+    assert [a.size for a in s.InsertStream(iter([insert_request(rows(rng, 2))]))] == [4]
+    cancelled = s.InsertStream(iter(feed.get, None))
+    feed.put(insert_request(rows(rng, 2)))
+    assert next(cancelled).size == 6
+    cancelled.cancel()   # its place comes back, and the learner process's stream ends too
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            answers = list(s.InsertStream(iter([insert_request(rows(rng, 2))])))
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "the cancelled stream kept its place"
+            time.sleep(0.02)
+    assert [a.size for a in answers] == [8]
+
+
+def test_fronts_answer_unavailable_before_the_learner_process_is_up():
+    front = FrontServer(ServerOptions(port=0, front_processes=1))
+    front.start()
+    try:
+        s = stub(front)
+        for call, request in ((s.InsertStream, iter([pb.InsertStreamRequest()])),
+                              (s.TrainReplay, pb.TrainReplayRequest(steps=1)),
+                              (s.GetReplayInfo, pb.GetReplayInfoRequest())):
+            code, details = refusal(call, request)
+            assert code == grpc.StatusCode.UNAVAILABLE and "still starting" in details
+    finally:
+        front.stop(0)
+
+
+def test_a_replay_too_large_for_its_memory_is_refused_as_with_one_process(capsys):
+    huge = ["--replay-capacity", str(1 << 30), "--replay-min-size", "1", "--hidden-dim",
+            "1024", "--backend", "reference", "--port", "0"]
+    with pytest.raises(ReplayTooLarge, match="GiB of host memory"):
+        start_server(cli.from_args(LearnerConfig, cli.build_parser().parse_args(
+            ["serve"] + huge)), ServerOptions(port=0, front_processes=1), backend="reference")
+    said = []
+    for fronts in ("0", "1"):
+        assert cli.main(["serve", "--front-processes", fronts] + huge) == cli.EXIT_USAGE
+        said.append([line.partition(" ERROR ")[2] for line in capsys.readouterr().err.splitlines()
+                     if "refusing to start" in line])
+    assert said[0] == said[1] and len(said[0]) == 1
 
 
 def test_replay_settings_are_flags_and_environment_variables(monkeypatch):

@@ -17,8 +17,9 @@ turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
   Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
   the same service code (:class:`RelayedService`).  The small rpcs (``RELAYED_CALLS``:
   Act, GetWeights …) travel whole over the relay too, run between two steps;
-  SaveCheckpoint is forwarded to the private socket as raw bytes.  Checkpoints,
-  idempotency keys and /metrics live there.
+  SaveCheckpoint and the replay buffer's rpcs (InsertStream, TrainReplay,
+  GetReplayInfo) are forwarded to the private socket as raw bytes.  Checkpoints,
+  idempotency keys, the replay buffer (and its ratio loop) and /metrics live there.
 
 With ``front_processes`` = K > 1, K − 1 more front processes bind the same port
 (SO_REUSEPORT: the kernel spreads incoming connections over the K), each with a GIL of
@@ -64,7 +65,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.server.core.batch import PackedBatch
 from duelq.server.core.checkpoint import CheckpointError
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import InvalidArgument, ResourceExhausted
+from duelq.server.core.errors import ReplayTooLarge, ResourceExhausted
 from duelq.server.core.native import stream_copy
 from duelq.server.fronts.packing import Packer
 from duelq.server.fronts.relay import (CLOSED, LEARNER_GONE, QUEUE_FULL, REPLY, BufferPool,
@@ -76,8 +77,7 @@ from duelq.server.logs import setup_logging
 from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions,
                                  add_health_and_reflection, bind, grpc_server, local_target,
                                  make_gate, set_health)
-from duelq.server.service import (QUEUED_CALLS, RELAYED_CALLS, REPLAY_BUFFER_RPCS, LearnerService,
-                                  StreamIdle,
+from duelq.server.service import (QUEUED_CALLS, RELAYED_CALLS, LearnerService, StreamIdle,
                                   TrainJob, queue_full, refusal, stream_idle,
                                   too_many_streams)
 from duelq.server.metrics import Metrics
@@ -85,10 +85,10 @@ from duelq.server.metrics import Metrics
 log = logging.getLogger(__name__)
 
 TRAIN = ("TrainStep", "TrainStream")
-#: Forwarded to the learner process's private socket; the replay buffer's rpcs are not
-#: served here at all (UNIMPLEMENTED): the buffer runs with the one-process server only.
+#: The unary rpcs passed to the learner process (relayed or forwarded, :meth:`_forward`);
+#: InsertStream, the other stream, is forwarded by a handler of its own.
 FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name
-                  if name not in TRAIN + REPLAY_BUFFER_RPCS)
+                  if name not in TRAIN + ("InsertStream",))
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
 FRONT_START_TIMEOUT_S = 60.0
@@ -175,6 +175,21 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return None if left is None or left > 1e6 else time.monotonic() + left
 
 
+def _until_cancelled(requests: Iterator[bytes]) -> Iterator[bytes]:
+    """``requests``, ending quietly where their call was cancelled (the inner call it feeds
+    is cancelled too); grpc would log the failed read as an error."""
+    try:
+        yield from requests
+    except grpc.RpcError:
+        return
+
+
+def _time_left(context: grpc.ServicerContext) -> float | None:
+    """The timeout of a call made on behalf of ``context``: its deadline carries over."""
+    deadline = _deadline(context)
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 class FrontServer:
     """The public gRPC server of ``--front-processes``; the learner runs in a child process.
 
@@ -200,6 +215,7 @@ class FrontServer:
                     for name in FORWARDED}
         handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
         handlers["TrainStream"] = grpc.stream_stream_rpc_method_handler(self._train_stream)
+        handlers["InsertStream"] = grpc.stream_stream_rpc_method_handler(self._insert_stream)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self.health = add_health_and_reflection(self._server)
@@ -209,6 +225,7 @@ class FrontServer:
         self._relay: RelayFront | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._insert: grpc.StreamStreamMultiCallable | None = None
         self._process = None
         self._conn = None
         self._buffers: BufferPool | None = None
@@ -244,12 +261,10 @@ class FrontServer:
         """Start the learner process (resuming from ``checkpoint_dir``) and report SERVING.
 
         Returns what it says of itself (backend, device, step).  Raises
-        :class:`CheckpointError` or :class:`LearnerProcessError` when it cannot start.
+        :class:`CheckpointError`, :class:`ReplayTooLarge` or :class:`LearnerProcessError`
+        when it cannot start.
         """
         o = self.options
-        if config.replay_capacity:
-            raise InvalidArgument("replay_capacity", "the server-side replay buffer runs with "
-                                  "the one-process server only (front_processes 0)")
         self._buffers = buffers = _buffer_pool(o)
         mine, theirs = socket.socketpair()
         self._sock = mine
@@ -271,9 +286,12 @@ class FrontServer:
         except EOFError:
             raise LearnerProcessError("the learner process exited while starting "
                                       "(see its log above)") from None
-        if kind == "checkpoint":
-            raise CheckpointError(*info)
-        if kind != "ready":
+        if kind != "ready":   # it exits: stop() then finds it gone, with nothing to say
+            self._process.join(STOP_ACK_TIMEOUT_S)
+            if kind == "checkpoint":
+                raise CheckpointError(*info)
+            if kind == "replay":
+                raise ReplayTooLarge(info)
             raise LearnerProcessError(info)
         self._connect(mine, buffers)
         self._start_fronts(ctx)
@@ -286,12 +304,14 @@ class FrontServer:
 
     def _connect(self, sock: socket.socket, buffers: BufferPool) -> None:
         """Relay train requests and the small rpcs over ``sock`` (requests in ``buffers``)
-        and forward the others (SaveCheckpoint) to the learner process's private socket."""
+        and forward the others (SaveCheckpoint, the replay buffer's) to the learner
+        process's private socket."""
         size = self.options.max_message_bytes
         self._channel = grpc.insecure_channel(f"unix:{self._dir / LEARNER_SOCKET}", options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
+        self._insert = self._channel.stream_stream(f"/{SERVICE_NAME}/InsertStream")
         self._relay = RelayFront(sock, buffers, Packer(stream_copy()).pack)
         self._relay.on_close = self._learner_gone
 
@@ -543,15 +563,35 @@ class FrontServer:
             call = self._calls.get(name)
             if call is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-            deadline = _deadline(context)
-            future = call.future(request, timeout=None if deadline is None else
-                                 max(deadline - time.monotonic(), 0.0))
+            future = call.future(request, timeout=_time_left(context))
             context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
             try:
                 return future.result()
             except grpc.RpcError as exc:
                 context.abort(exc.code(), exc.details())
         return forward
+
+    def _insert_stream(self, requests: Iterator[bytes],
+                       context: grpc.ServicerContext) -> Iterator[bytes]:
+        """InsertStream, forwarded to the learner process's private socket: the requests'
+        bytes go on as they arrive and the answers come back, the stream holding one of the
+        server's stream places meanwhile (TrainStream's limit, as with one process)."""
+        insert = self._insert
+        if insert is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
+        if not self._stream_places.take():
+            self._refuse(context, "InsertStream",
+                         ResourceExhausted(too_many_streams(self.options.max_streams)))
+        try:
+            call = insert(_until_cancelled(requests), timeout=_time_left(context))
+            if not context.add_callback(call.cancel):   # over already
+                call.cancel()
+            try:
+                yield from call
+            except grpc.RpcError as exc:
+                context.abort(exc.code(), exc.details())
+        finally:
+            self._stream_places.give_back()
 
 
 # ── the learner process ──────────────────────────────────────────────────────────────
@@ -645,6 +685,10 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
         server.serve_learner(config, backend=backend)
     except CheckpointError as exc:
         _tell(conn, ("checkpoint", (str(exc.path), exc.problem)))
+        server.stop(0)
+        return
+    except ReplayTooLarge as exc:   # the front raises it again: serve's own exit and words
+        _tell(conn, ("replay", str(exc)))
         server.stop(0)
         return
     except Exception as exc:  # noqa: BLE001 — reported to the front, which exits with it
