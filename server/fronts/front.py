@@ -9,8 +9,9 @@ turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
   TrainStream requests go into a shared-memory buffer, their arrays already in the step
   kernel's input layout where their dtypes and shapes allow (server/fronts/packing.py),
   else their bytes as they came, and a frame tells the learner process
-  (server/fronts/relay.py).  A stream keeps up to :data:`STREAM_DEPTH` requests at the
-  learner while earlier answers go out, and reads no more while that many are unsent:
+  (server/fronts/relay.py).  A stream's requests are read and sent on by a thread of
+  their own while its handler writes the answers; up to :data:`STREAM_DEPTH` are at the
+  learner while earlier answers go out, and no more are read while that many are unsent:
   a client that does not read its answers is stopped by HTTP/2 flow control, as with
   one process;
 * the learner process is an ordinary :class:`LearnerServer` bound to a private
