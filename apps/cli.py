@@ -235,6 +235,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
              "server model")
     add_flag(group, "experiments", "bool", True, "also run the byte stream on grpc.aio, and "
              "it and the null learner with larger HTTP/2 windows and with tuned malloc")
+    add_flag(group, "replay_cells", "bool", True, "also run replay cells: actors insert "
+             "transitions of B rows into the server's replay buffer (in-process: one per B, "
+             "replay ratio 8 unless --replay-ratio; --front-processes: one at the first B; "
+             "--target: only if it has one), next to the stream cells of the same B")
     add_flag(group, "device_step", "bool", True, "on a cuda backend run from a duelq "
              "checkout, also time the device step against PyTorch (the checkout's device "
              "benchmark)")

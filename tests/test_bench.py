@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import os
 import socket
 import subprocess
@@ -40,16 +41,39 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     assert result["failures"] == [] and result["meta"]["quick"] is True
     assert result["meta"]["echo_processes"] == 2
     rows = result["rows"]
-    assert {r["kind"] for r in rows} == {"echo", "stream", "unary"}
+    assert {r["kind"] for r in rows} == {"echo", "stream", "unary", "replay"}
     assert {r["backend"] for r in rows} == {"echo", "reference", "null"}
     assert {r["transport"] for r in rows} == {"tcp", "uds"}
     for row in rows:
         assert ROW_KEYS <= set(row) and "error" not in row
         if row["kind"] != "echo":
             assert "vs_echo" in row and "vs_echo_f32" in row
+    check_replay_rows(rows, "tcp")
+    assert "### Server-side replay" in run.stdout
     assert any("server_us" in r for r in rows)   # in-process: server-side overhead
     assert "skipped" in result["device_step"]     # no GPU in the suite
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+REPLAY_KEYS = {"replay_batch", "replay_ratio", "learner_steps", "inserted_rows_per_s",
+               "inserts_per_s", "ratio_measured", "wire_bytes_per_step", "vs_stream_steps",
+               "vs_stream_bytes_per_step"}
+
+
+def check_replay_rows(rows: list[dict], transport: str) -> None:
+    """Replay cells, one per wire of the stream cells at B, well-formed; no timings."""
+    replay = [r for r in rows if r["kind"] == "replay"]
+    stream = {r["wire"] for r in rows if r["kind"] == "stream" and r["section"] == "main"}
+    assert {r["wire"] for r in replay} == stream
+    for r in replay:
+        assert REPLAY_KEYS <= set(r), r
+        assert r["backend"] == "reference" and r["transport"] == transport
+        assert r["replay_batch"] == r["batch"] == 256 and r["replay_ratio"] == 8
+        assert r["learner_steps"] >= 0 and r["inserted_rows_per_s"] >= 0
+        assert r["request_bytes"] > 0 and r["vs_echo"] is None
+        if r["learner_steps"]:
+            assert r["wire_bytes_per_step"] > 0 and r["vs_stream_steps"] is not None
+            assert r["vs_stream_bytes_per_step"] is not None
 
 
 def test_bench_with_front_process_starts_and_measures_that_server(tmp_path):
@@ -78,8 +102,9 @@ def test_bench_with_front_process_starts_and_measures_that_server(tmp_path):
     rows = result["rows"]
     assert {r["transport"] for r in rows} == {"target"}
     assert {r["backend"] for r in rows} == {"echo", "reference"}
-    assert {r["kind"] for r in rows} == {"echo", "stream", "unary"}
+    assert {r["kind"] for r in rows} == {"echo", "stream", "unary", "replay"}
     assert all("vs_echo" in r for r in rows if r["kind"] != "echo")
+    check_replay_rows(rows, "target")   # the fronts forward inserts to the learner's buffer
 
 
 @pytest.mark.parametrize("flags, problem", [
@@ -110,6 +135,49 @@ def test_every_learner_cell_has_an_echo_ceiling_of_the_same_shape():
         ["bench"])), "target": "localhost:1"})).cells("cuda", in_process=False)
     assert {c.backend for c in remote} == {"echo", "cuda"}
     assert {c.transport for c in remote} == {"target"}
+
+
+def test_replay_cells_follow_the_stream_cells_and_can_be_left_out(monkeypatch):
+    cells = run.Plan.from_args(cli.build_parser().parse_args(["bench"])).cells(
+        "reference", in_process=True)
+    for B in (256, 1024, 4096):
+        main = [c for c in cells if c.section == "main" and c.batch == B]
+        kinds = [c.kind for c in main]
+        assert kinds.count("replay") == 3 and {c.backend for c in main
+                                               if c.kind == "replay"} == {"reference"}
+        assert max(i for i, k in enumerate(kinds) if k == "stream") < kinds.index("replay")
+    assert not any(c.kind == "replay" for c in cells if c.section != "main")
+    off = run.Plan.from_args(cli.build_parser().parse_args(["bench", "--no-replay-cells"]))
+    assert not any(c.kind == "replay" for c in off.cells("reference", in_process=True))
+    monkeypatch.setenv("DUELQ_REPLAY_CELLS", "false")
+    env = run.Plan.from_args(cli.build_parser().parse_args(["bench"]))
+    assert env.replay is False
+
+
+def test_replay_config_sizes_the_buffer_for_the_cell():
+    config = run.replay_config(SMALL, 1024)
+    assert (config.replay_batch_size, config.replay_min_size, config.replay_ratio) == (
+        1024, 1024, 8.0)
+    assert config.replay_capacity >= 4 * 1024
+    kept = run.replay_config(replace(SMALL, replay_capacity=1 << 20, replay_ratio=2.0), 256)
+    assert (kept.replay_capacity, kept.replay_ratio) == (1 << 20, 2.0)
+
+
+def test_replay_rows_are_compared_with_the_stream_of_the_same_b_and_wire():
+    def row(kind, wire, steps, B=256, **extra):
+        return {"section": "main", "kind": kind, "backend": "reference", "batch": B,
+                "wire": wire, "transport": "tcp", "actors": 2, "variant": "",
+                "steps_per_s": steps, "transitions_per_s": steps * B, **extra}
+    rows = [row("stream", "float32", 100.0, request_bytes=1000),
+            row("stream", "float16", 150.0, request_bytes=600),
+            row("replay", "float16", 300.0, wire_bytes_per_step=60.0, replay_ratio=8.0,
+                inserted_rows_per_s=9600.0, ratio_measured=8.0, request_bytes=15000,
+                p50_ms=1.0)]
+    report.add_ratios(rows)
+    assert rows[2]["vs_stream_steps"] == pytest.approx(2.0)
+    assert rows[2]["vs_stream_bytes_per_step"] == pytest.approx(0.1)
+    assert rows[2]["vs_echo"] is None
+    assert "| 2.00 |" in report.replay_table(rows)
 
 
 def test_ratios_divide_by_the_ceiling_of_the_same_message_size():

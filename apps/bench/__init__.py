@@ -8,6 +8,10 @@ Each figure is measured in one run next to its ceiling, and printed as a ratio t
              ceiling of: the most the wire and gRPC's Python runtime can carry.
 * ``stream`` ``LearnerClient.train_stream`` (``--window`` batches in flight).
 * ``unary``  ``LearnerClient.train_step`` in a loop.
+* ``replay`` ``LearnerClient.insert_stream`` of B rows into the server's replay buffer,
+             which trains from it to hold its replay ratio: learner steps/s, inserted
+             rows/s and wire bytes per learner step from the buffer's counters, as ratios
+             to ``stream`` of the same B and wire (no echo ceiling).
 
 Actors are processes (``multiprocessing``, spawn), each with its own client and
 a few pre-built batches it cycles through, so actor-side work is the client

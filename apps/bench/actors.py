@@ -9,13 +9,14 @@ import os
 import queue
 import time
 from collections import deque
+from typing import Any, Callable
 
 import grpc
 import numpy as np
 
 from duelq.client.client import LearnerClient
 
-from duelq.wire.types import BFLOAT16, Batch
+from duelq.wire.types import BFLOAT16, Batch, Transitions
 from duelq.apps.bench.base import ACTOR_TIMEOUT_S, BenchError, cpu_seconds
 from duelq.apps.bench.servers import ECHO_PATH, REPLY_BYTES, tune_malloc
 
@@ -34,6 +35,14 @@ def make_batch(rng: np.random.Generator, B: int, H: int, N: int, wire: str) -> B
                  dones=(rng.random(B) < 0.1).astype(np.float32),
                  discounts=np.full(B, 0.99 ** 3, np.float32),
                  weights=rng.uniform(0.5, 1.5, B).astype(np.float32))
+
+
+def make_transitions(rng: np.random.Generator, B: int, H: int, N: int, wire: str) -> Transitions:
+    """B rows for the server's replay buffer, as :func:`make_batch` (no weights, no
+    priorities: each row gets the buffer's largest priority)."""
+    b = make_batch(rng, B, H, N, wire)
+    return Transitions(h_t=b.h_t, h_tp1=b.h_tp1, actions=b.actions, rewards=b.rewards,
+                       dones=b.dones, discounts=b.discounts)
 
 
 class _Tally:
@@ -91,6 +100,21 @@ def _run_stream(client: LearnerClient, batches: list[Batch], job: dict, tally: _
         tally.add(sent.popleft(), time.monotonic())
 
 
+def _run_insert(client: LearnerClient, rows: list[Transitions], job: dict,
+                tally: _Tally) -> None:
+    """Transitions into the server's replay buffer, ``window`` inserts in flight."""
+    sent: deque[float] = deque()
+
+    def feed():
+        i = 0
+        while time.monotonic() < tally.t_end:
+            sent.append(time.monotonic())
+            yield rows[i % len(rows)]
+            i += 1
+    for _ in client.insert_stream(feed(), window=job["window"]):
+        tally.add(sent.popleft(), time.monotonic())
+
+
 def _run_unary(client: LearnerClient, batches: list[Batch], job: dict, tally: _Tally) -> None:
     i = 0
     while (sent := time.monotonic()) < tally.t_end:
@@ -121,9 +145,10 @@ def _actor_job(conn, index: int, job: dict) -> dict:
                                f"-{time.monotonic_ns()}", channel_options=job["channel_options"])
         client.wait_ready(job["ready_timeout"])
         rng = np.random.default_rng([job["seed"], index])
-        batches = [make_batch(rng, job["batch"], job["hidden_dim"], job["n_actions"], job["wire"])
+        make = make_transitions if job["kind"] == "replay" else make_batch
+        batches = [make(rng, job["batch"], job["hidden_dim"], job["n_actions"], job["wire"])
                    for _ in range(POOL)]
-        runner = _run_stream if job["kind"] == "stream" else _run_unary
+        runner = {"stream": _run_stream, "replay": _run_insert}.get(job["kind"], _run_unary)
         run = lambda t: runner(client, batches, job, t)  # noqa: E731
     try:
         conn.send({"ready": True})
@@ -183,8 +208,10 @@ class ActorPool:
         except EOFError:
             raise BenchError("an actor process died") from None
 
-    def run(self, jobs: list[dict], warmup: float, duration: float) -> list[dict]:
-        """Run one job per actor, all started together; their reports, in order."""
+    def run(self, jobs: list[dict], warmup: float, duration: float,
+            on_go: Callable[[float, float], Any] | None = None) -> list[dict]:
+        """Run one job per actor, all started together; their reports, in order.
+        ``on_go(t0, t_end)`` is told the measured window once the actors have it."""
         conns = self.conns[:len(jobs)]
         for conn, job in zip(conns, jobs):
             conn.send(job)
@@ -196,6 +223,8 @@ class ActorPool:
         for conn, m in zip(conns, first):
             if "ready" in m:
                 conn.send(go)
+        if go is not None and on_go is not None:
+            on_go(go["t0"], go["t_end"])
         reports = [self._recv(conn, warmup + duration + ACTOR_TIMEOUT_S) if "ready" in m else m
                    for conn, m in zip(conns, first)]
         failed += [r["error"] for r in reports if "error" in r and r not in first]

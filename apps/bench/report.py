@@ -20,8 +20,20 @@ def add_ratios(rows: list[dict]) -> None:
     echo = {(r["section"], r["batch"], size_class(r["wire"]), r["transport"], r["actors"],
              r["variant"]): r for r in rows if r["kind"] == "echo" and "error" not in r}
     plain = {k[:5]: r for k, r in echo.items() if k[5] == ""}
+    stream = {(r["section"], r["batch"], r["wire"], r["transport"], r["actors"], r["backend"]): r
+              for r in rows if r["kind"] == "stream" and not r["variant"] and "error" not in r}
     for r in rows:
         if r["kind"] == "echo" or "error" in r:
+            continue
+        if r["kind"] == "replay":   # against TrainStream of the same B, wire and actors
+            s = stream.get((r["section"], r["batch"], r["wire"], r["transport"], r["actors"],
+                            r["backend"]))
+            r["vs_echo"] = r["vs_echo_f32"] = None   # no ceiling of an insert's size
+            r["vs_stream_steps"] = (r["steps_per_s"] / s["steps_per_s"]
+                                    if s and s["steps_per_s"] else None)
+            r["vs_stream_bytes_per_step"] = (r["wire_bytes_per_step"] / s["request_bytes"]
+                                             if s and r["wire_bytes_per_step"] is not None
+                                             else None)
             continue
         key = (r["section"], r["batch"], size_class(r["wire"]), r["transport"], r["actors"])
         same = echo.get(key + (r["variant"],)) or plain.get(key)
@@ -42,7 +54,7 @@ def markdown(head: str, lines: list[str]) -> str:
 def table(rows: list[dict], section: str) -> str:
     lines = []
     for r in rows:
-        if r["section"] != section:
+        if r["section"] != section or r["kind"] == "replay":
             continue
         kind = r["kind"] + (f" ({r['variant']})" if r["variant"] else "")
         if "error" in r:
@@ -60,6 +72,27 @@ def table(rows: list[dict], section: str) -> str:
     return markdown("| kind | backend | transport | K | B | wire | request KB | steps/s "
                     "| transitions/s | MB/s | p50 ms | p99 ms | ÷ echo | ÷ f32 echo "
                     "| server µs/step | CPU µs/step actor + server |", lines)
+
+
+def replay_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        if r["kind"] != "replay":
+            continue
+        head = (f"| {r['backend']} | {r['transport']} | {r['actors']} | {r['batch']} "
+                f"| {r['wire']} ")
+        if "error" in r:
+            lines.append(head + f"| failed: {r['error'][:80]} |")
+            continue
+        lines.append(
+            head + f"| {r['replay_ratio']:g} | {r['steps_per_s']:.0f} "
+            f"| {r['inserted_rows_per_s']:.3g} | {_f(r['ratio_measured'], '.2f')} "
+            f"| {_f(r['wire_bytes_per_step'], '.0f')} | {r['request_bytes'] / 1024:.0f} "
+            f"| {_f(r.get('vs_stream_steps'), '.2f')} "
+            f"| {_f(r.get('vs_stream_bytes_per_step'), '.3f')} | {_f(r['p50_ms'], '.2f')} |")
+    return markdown("| backend | transport | K | B | wire | target ratio | learner steps/s "
+                    "| inserted rows/s | ratio measured | wire bytes/step | insert KB "
+                    "| ÷ stream steps/s | ÷ stream bytes/step | insert p50 ms |", lines)
 
 
 def overhead_table(rows: list[dict], costs: dict) -> str:
@@ -113,7 +146,7 @@ def plot(result: dict, path: Path) -> None:
     colour = {"float32": "tab:blue", "float16": "tab:orange", "bfloat16": "tab:green"}
     series: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for r in rows:
-        if r["section"] == "main":
+        if r["section"] == "main" and r["kind"] != "replay":
             series.setdefault((r["kind"], r["backend"], r["wire"]), []).append(
                 (r["batch"], r["transitions_per_s"]))
     order = {"echo": 0, "stream": 1, "unary": 2}
@@ -179,6 +212,13 @@ def report(result: dict) -> str:
     if any(r["section"] == "experiment" for r in result["rows"]):
         parts += ["", "### Experiments (aio: echo on grpc.aio; tuned: larger HTTP/2 windows, "
                       "frames and reads)", "", table(result["rows"], "experiment")]
+    if any(r["kind"] == "replay" for r in result["rows"]) or result.get("notes"):
+        parts += ["", "### Server-side replay (actors insert B rows per request; the server "
+                      "trains from its buffer to hold the target ratio; ratios against "
+                      "TrainStream of the same B, wire and actors)", ""]
+        if any(r["kind"] == "replay" for r in result["rows"]):
+            parts.append(replay_table(result["rows"]))
+        parts += [f"note: {n}" for n in result.get("notes", [])]
     over = overhead_table(result["rows"], result["codec_us"])
     if over.count("\n") > 1:
         parts += ["", "### Server-side µs per step, in-line (CPU time of the handler thread; "

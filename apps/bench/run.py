@@ -13,6 +13,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,7 +22,10 @@ from typing import Any, Callable, Sequence
 import grpc
 import numpy as np
 
-from duelq.client.client import LearnerClient, _train_result, encode_batch, encode_batch_wire
+from duelq.client.client import (INSERT_FIELDS, LearnerClient, _train_result,
+                                 _transition_arrays, _wire_request, encode_batch,
+                                 encode_batch_wire)
+from duelq.client import errors as client_errors
 from duelq.v1 import learner_pb2 as pb
 
 from duelq.server.core.batch import validate_batch
@@ -31,7 +35,7 @@ from duelq.server.fronts import make_server, start_server
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server.service import decode_batch, train_response
 from duelq.server.core.state import LearnerState
-from duelq.apps.bench.actors import ActorPool, make_batch
+from duelq.apps.bench.actors import ActorPool, make_batch, make_transitions
 from duelq.apps.bench.base import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, TRANSPORTS, WIRES, BenchError, UsageError,
                    cpu_seconds)
 from duelq.apps.bench.report import add_ratios, percentile_ms, plot, report
@@ -47,7 +51,7 @@ class Cell:
     """One measurement: ``actors`` processes driving one kind of call for ``duration``."""
 
     section: str      # "main" (by batch size), "scaling" (by actors) or "experiment"
-    kind: str         # "echo" | "stream" | "unary"
+    kind: str         # "echo" | "stream" | "unary" | "replay" (inserts; the server trains)
     backend: str      # "echo" for the byte stream, else the learner's backend
     batch: int        # B
     wire: str         # feature dtype on the wire (echo: the one whose message size it copies)
@@ -78,6 +82,7 @@ class Plan:
     window: int
     echo_processes: int
     experiments: bool
+    replay: bool
     device_step: bool
     target: str
     out: Path
@@ -110,6 +115,7 @@ class Plan:
                     wires=names("wire_dtypes", WIRES), duration=args.duration,
                     warmup=args.warmup, window=args.window,
                     echo_processes=args.echo_processes, experiments=args.experiments,
+                    replay=args.replay_cells,
                     device_step=args.device_step, target=args.target, out=Path(args.out),
                     quick=args.quick)
         if plan.quick:
@@ -141,6 +147,8 @@ class Plan:
                 cells.append(cell("echo", "echo", half[0]))  # float16, bfloat16: same size
             for be in learners:
                 cells += [cell("stream", be, w) for w in self.wires]
+            if self.replay:   # right after the stream cells they are compared with
+                cells += [cell("replay", backend, w) for w in self.wires]
             cells.append(cell("unary", backend, "float32"))
         B = self.scaling_batch
         for K in self.scaling_actors:
@@ -204,6 +212,66 @@ def codec_costs(config: LearnerConfig, B: int, wire: str, reps: int = 20) -> dic
     }
 
 
+REPLAY_RATIO = 8.0        # the bench's replay_ratio unless --replay-ratio sets one
+REPLAY_CAPACITY = 1 << 16  # rows, unless --replay-capacity sets more
+
+
+def replay_config(config: LearnerConfig, B: int) -> LearnerConfig:
+    """``config`` with the replay buffer the bench's replay cells of batch size B use:
+    replay_batch_size B, replay_min_size B, replay_ratio (8 unless set), capacity (2^16
+    rows or 4 B, unless set)."""
+    return replace(config, replay_capacity=config.replay_capacity or max(REPLAY_CAPACITY, 4 * B),
+                   replay_batch_size=B, replay_min_size=B,
+                   replay_ratio=config.replay_ratio or REPLAY_RATIO)
+
+
+def insert_sizes(config: LearnerConfig, B: int, wire: str) -> dict:
+    """Bytes of an InsertStreamRequest of B rows as an actor sends it, and of its answer."""
+    rows = make_transitions(np.random.default_rng(B), B, config.hidden_dim, config.n_actions,
+                            wire)
+    key = pb.RequestKey(actor_id=f"bench-0-{os.getpid()}-{time.monotonic_ns()}", seq=123456)
+    data = _wire_request(_transition_arrays(rows, wire), key.actor_id, key.seq, INSERT_FIELDS)
+    reply = pb.InsertStreamResponse(rows=B, size=1 << 16, inserted=1 << 24, version=1 << 20,
+                                    step=1 << 20, key=key)
+    return {"request_bytes": len(data), "response_bytes": reply.ByteSize()}
+
+
+class _Window:
+    """Reads the replay buffer's counters at the start and the end of a measured window."""
+
+    def __init__(self, read: Callable[[], Any]):
+        self.read, self.values, self.thread = read, [], None
+        self.error: Exception | None = None
+
+    def start(self, t0: float, t_end: float) -> None:
+        def run():
+            try:
+                for t in (t0, t_end):
+                    while (left := t - time.monotonic()) > 0:
+                        time.sleep(min(left, 0.05))
+                    self.values.append(self.read())
+            except Exception as exc:  # noqa: BLE001 — the cell reports it
+                self.error = exc
+        self.thread = threading.Thread(target=run, name="duelq-bench-window", daemon=True)
+        self.thread.start()
+
+    def result(self) -> tuple[Any, Any]:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise BenchError(f"cannot read the replay counters: {self.error}")
+        if len(self.values) != 2:
+            raise BenchError("the replay counters were not read over the window")
+        return self.values[0], self.values[1]
+
+
+def replay_due(info) -> int:
+    """Steps replay_ratio still asks for, from GetReplayInfo's figures."""
+    if not info.target_ratio or info.size < info.min_size:
+        return 0
+    return max(0, int((info.target_ratio * info.inserted - info.sampled) // info.batch_size))
+
+
 class Bench:
     """Servers in this process, actors in others; measures the plan's cells."""
 
@@ -223,7 +291,12 @@ class Bench:
         self.malloc_pool: ActorPool | None = None     # actors that called tune_malloc()
         self.malloc_server: ServerProcess | None = None
         self.backend_name = backend
+        self.backend_arg = backend
         self.device = ""
+        self.replay_info = None    # a target's replay buffer (GetReplayInfo), None if off
+        self.replay_learner: tuple[int, Learner] | None = None   # in-process, by B
+        self.notes: list[str] = []
+        self._client: LearnerClient | None = None
 
     # servers
 
@@ -257,6 +330,10 @@ class Bench:
             with LearnerClient(plan.target, token=self.options.bearer_token() or None) as client:
                 client.wait_ready(self.ready_timeout)
                 info = client.info()
+                try:
+                    self.replay_info = client.replay_info()
+                except client_errors.DuelqError:   # FAILED_PRECONDITION: the buffer is off
+                    self.replay_info = None
             self.backend_name, self.device = info.backend, info.device
             if (info.hidden_dim, info.n_actions) != (self.config.hidden_dim,
                                                                     self.config.n_actions):
@@ -285,7 +362,71 @@ class Bench:
             self._start_echo(name, kind, TUNED_OPTIONS if name == "tuned" else (), addresses)
         return self.targets[f"echo-{name}", cell.transport]
 
+    def replay_cells(self, cells: list[Cell]) -> list[Cell]:
+        """``cells`` less the replay cells this server cannot run, each skip noted: a
+        target (or the fronts the bench started) runs them only with a replay buffer, at
+        its replay_batch_size, in wires its buffer takes."""
+        if self.server is not None or not any(c.kind == "replay" for c in cells):
+            return cells
+        info = self.replay_info
+        if info is None:
+            self.notes.append("replay cells skipped: the server has no replay buffer "
+                              "(GetReplayInfo: FAILED_PRECONDITION; serve it with "
+                              "--replay-capacity)")
+            return [c for c in cells if c.kind != "replay"]
+        keep = [c for c in cells if c.kind != "replay" or (
+            c.batch == info.batch_size and info.dtype in ("float32", c.wire))]
+        if len(keep) < len(cells):
+            self.notes.append(f"replay cells run at the server's replay_batch_size "
+                              f"{info.batch_size} only, in wires its {info.dtype} buffer "
+                              f"takes; the others skipped")
+        return keep
+
+    def _attach(self, learner: Learner) -> None:
+        """Serve ``learner`` in-process, the previous one's replay loop stopped."""
+        server = self.server
+        if server.replay_loop is not None:
+            server.replay_loop.stop()
+            server.replay_loop = None
+            server.service.on_insert = None
+        server.attach(learner)
+
+    def _replay_learner(self, B: int) -> Learner:
+        if self.replay_learner is None or self.replay_learner[0] != B:
+            self.replay_learner = None   # one buffer at a time
+            config = replay_config(self.config, B)
+            state = LearnerState.initial(config)
+            learner = Learner(config, backend=make_backend(self.backend_arg, config, state),
+                              max_batch_size=self.options.max_batch_size)
+            self.replay_learner = (B, learner)
+        return self.replay_learner[1]
+
+    def client(self, transport: str) -> LearnerClient:
+        """The coordinator's own client of the learner (replay counters)."""
+        if self._client is None:
+            self._client = LearnerClient(self.targets["learner", transport],
+                                         token=self.options.bearer_token() or None,
+                                         actor_id=f"bench-coordinator-{os.getpid()}")
+        return self._client
+
+    def drain_replay(self, client: LearnerClient, timeout: float = 30.0) -> None:
+        """Wait until the server has run the replay steps that its ratio still asks for,
+        so that they do not land in the next cell's window."""
+        deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+        while time.monotonic() < deadline:
+            info = client.replay_info()
+            if replay_due(info) == 0:
+                return
+            if info.sampled != last:
+                last, since = info.sampled, time.monotonic()
+            elif time.monotonic() - since > 2.0:   # refused steps: it waits for new rows
+                return
+            time.sleep(0.02)
+        log.warning("the replay steps due were not all run within %g s", timeout)
+
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
         for pool in (self.pool, self.malloc_pool):
             if pool is not None:
                 pool.close()
@@ -312,6 +453,8 @@ class Bench:
         return totals
 
     def measure(self, cell: Cell) -> dict:
+        if cell.kind == "replay":
+            return self.measure_replay(cell)
         plan = self.plan
         size = self.size(cell.batch, cell.wire)
         job = {"kind": cell.kind, "batch": cell.batch, "wire": cell.wire,
@@ -335,7 +478,7 @@ class Bench:
         else:
             job["target"] = self.targets["learner", cell.transport]
             if self.server is not None:
-                self.server.attach(self.learners[cell.backend])
+                self._attach(self.learners[cell.backend])
         before = (self._server_totals(cell.backend)
                   if self.learners and cell.kind != "echo" and cell.variant != "malloc" else None)
         cpu = server_cpu_seconds()
@@ -365,6 +508,57 @@ class Bench:
                     "overhead": us["parse_cpu_s"] + us["handler_cpu_s"] - us["backend_cpu_s"]
                     + us["serialize_cpu_s"]}
         return row
+
+    def measure_replay(self, cell: Cell) -> dict:
+        """Actors stream inserts of B rows; the server trains from its buffer to hold its
+        replay ratio.  Learner steps and rows inserted come from the buffer's counters read
+        at the window's start and end."""
+        plan = self.plan
+        size = insert_sizes(self.config, cell.batch, cell.wire)
+        if self.server is not None:
+            self._attach(self._replay_learner(cell.batch))
+        job = {"kind": "replay", "batch": cell.batch, "wire": cell.wire,
+               "hidden_dim": self.config.hidden_dim, "n_actions": self.config.n_actions,
+               "window": plan.window, "request_bytes": size["request_bytes"],
+               "reply_bytes": size["response_bytes"],
+               "max_message_bytes": self.options.max_message_bytes, "seed": 7,
+               "channel_options": (), "tune_malloc": False,
+               "token": self.options.bearer_token(), "ready_timeout": self.ready_timeout,
+               "target": self.targets["learner", cell.transport]}
+        client = self.client(cell.transport)
+        try:
+            self.drain_replay(client)
+            window = _Window(client.replay_info)
+            cpu = cpu_seconds()
+            reports = self.pool.run([dict(job) for _ in range(cell.actors)], plan.warmup,
+                                    plan.duration, on_go=window.start)
+            server_cpu = cpu_seconds() - cpu
+            before, after = window.result()
+            self.drain_replay(client)
+        except client_errors.DuelqError as exc:
+            raise BenchError(f"replay counters: {exc}") from exc
+        latencies = [x for r in reports for x in r["latencies"]]
+        B = after.batch_size
+        steps = (after.sampled - before.sampled) / B
+        rows_in = after.inserted - before.inserted
+        inserts = rows_in / cell.batch
+        wire_bytes = inserts * size["request_bytes"]
+        per_step = (lambda x: 1e6 * x / steps) if steps else (lambda x: None)  # noqa: E731
+        steps_per_s = steps / plan.duration
+        return {**asdict(cell), "request_bytes": size["request_bytes"],
+                "response_bytes": size["response_bytes"], "answers": len(latencies),
+                "steps_per_s": steps_per_s, "transitions_per_s": steps_per_s * B,
+                "mb_per_s": wire_bytes / plan.duration / 1e6,
+                "p50_ms": percentile_ms(latencies, 50), "p99_ms": percentile_ms(latencies, 99),
+                # CPU per learner step: the actors' and (in-process) the server's.
+                "client_cpu_us": per_step(sum(r["cpu_s"] for r in reports)),
+                "server_cpu_us": None if self.server is None else per_step(server_cpu),
+                "replay_batch": B, "replay_ratio": after.target_ratio,
+                "learner_steps": steps, "inserted_rows_per_s": rows_in / plan.duration,
+                "inserts_per_s": inserts / plan.duration,
+                "ratio_measured": ((after.sampled - before.sampled) / rows_in
+                                   if rows_in else None),
+                "wire_bytes_per_step": wire_bytes / steps if steps else None}
 
     def run(self, cells: list[Cell], progress, rows: list[dict],
             after_each: Callable[[], Any]) -> list[str]:
@@ -470,6 +664,7 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                      "n_actions": config.n_actions, "actors": plan.actors,
                      "batch_sizes": list(plan.batch_sizes), "scaling_batch": plan.scaling_batch,
                      "window": plan.window, "echo_processes": plan.echo_processes,
+                     "replay_cells": plan.replay,
                      "duration_s": plan.duration,
                      "warmup_s": plan.warmup, "quick": plan.quick, "partial": partial,
                      "argv": list(argv) if argv is not None else sys.argv[1:],
@@ -478,15 +673,17 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
                      "wall_s": round(time.time() - started, 1)},
             "rows": rows, "codec_us": {f"{B}/{w}": c for (B, w), c in bench.sizes.items()},
-            "device_step": device,
+            "device_step": device, "notes": bench.notes if bench is not None else [],
             "failures": failures}
         (plan.out / "bench.json").write_text(json.dumps(out, indent=1))
         return out
 
     try:
         try:
-            if front:
-                fronts = start_server(config, options, backend=args.backend)
+            if front:   # with a replay buffer for the replay cells at the first B
+                fronts = start_server(replay_config(config, plan.batch_sizes[0])
+                                      if plan.replay else config, options,
+                                      backend=args.backend)
                 plan = replace(plan, target=fronts.target, transports=("target",))
             bench = Bench(plan, config, options, args.backend, args.ready_timeout)
             bench.start(args.backend)
@@ -496,7 +693,8 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
         except Exception as exc:  # noqa: BLE001 — cannot bind, no usable backend, no target
             log.error("cannot start the bench: %s", exc)
             return EXIT_FAILURE
-        cells = plan.cells(bench.backend_name, in_process=bench.server is not None)
+        cells = bench.replay_cells(plan.cells(bench.backend_name,
+                                              in_process=bench.server is not None))
         progress = lambda cells: tqdm(cells, desc="duelq bench", unit="cell",  # noqa: E731
                                       file=sys.stderr, disable=None)
         failures += bench.run(cells, progress, rows, lambda: result(partial=True))
