@@ -51,6 +51,10 @@ def test_quick_bench_writes_a_table_json_and_png(tmp_path):
     check_replay_rows(rows, "tcp")
     assert "### Server-side replay" in run.stdout
     assert any("server_us" in r for r in rows)   # in-process: server-side overhead
+    for r in rows:   # a thread's CPU time within the wall time it is set against
+        if "server_us" in r:
+            us = r["server_us"]
+            assert 0 <= us["handler_cpu"] <= 1.05 * us["handler"] + 50, (r["kind"], us)
     assert "skipped" in result["device_step"]     # no GPU in the suite
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -178,9 +178,9 @@ class TimedLock:
 class ServerClock(grpc.ServerInterceptor):
     """Times train rpcs in-line: grpc's protobuf parse and serialise, and the handler.
 
-    Each phase runs on the rpc's handler thread, so besides wall time it adds up
-    that thread's CPU time (``time.thread_time``), which leaves out waiting: for
-    the apply lock, for the GIL, for a core.  On a loaded machine the CPU figure
+    Besides wall time it adds up the CPU time (``time.thread_time``) of the thread each
+    phase runs on (a stream's handler: its thread's time between two answers), which
+    leaves out waiting: for the apply lock, for the GIL, for a core.  On a loaded machine the CPU figure
     is the overhead; the wall figure is what a request sees.
     """
 
@@ -231,17 +231,20 @@ class ServerClock(grpc.ServerInterceptor):
         inner_stream = handler.stream_stream
 
         def stream(request_iterator, context):
+            # The requests may be read on another thread (TrainStream reads ahead): wall
+            # time from a request's arrival, CPU time of this thread since its last answer.
             started = deque()
 
             def arrivals():
                 for request in request_iterator:
-                    started.append((time.perf_counter(), time.thread_time()))
+                    started.append(time.perf_counter())
                     yield request
+            c0 = time.thread_time()
             for response in inner_stream(arrivals(), context):
-                t0, c0 = started.popleft()
-                self._add(requests=1, handler_s=time.perf_counter() - t0,
+                self._add(requests=1, handler_s=time.perf_counter() - started.popleft(),
                           handler_cpu_s=time.thread_time() - c0)
                 yield response
+                c0 = time.thread_time()
         return grpc.stream_stream_rpc_method_handler(stream, parse, serialize)
 
 
