@@ -1098,3 +1098,44 @@ def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
         go.set()
         front.close()
         learner.close()
+
+
+def test_a_stream_is_not_idle_while_a_request_sent_during_the_wait_is_at_the_learner():
+    """The reader sends a request while the handler waits out its idle deadline: the
+    handler then waits for the answer instead of ending the stream as idle."""
+    from duelq.server.fronts.relay import REPLY
+    from duelq.server.gate import StreamReader
+    waiting, sent, answering = threading.Event(), threading.Event(), threading.Event()
+
+    class Inbox(queue.SimpleQueue):
+        def get(self, block=True, timeout=None):
+            if timeout is not None:   # the idle wait: a request is sent meanwhile
+                waiting.set()
+                assert sent.wait(30)
+            else:
+                answering.set()
+            return super().get(block, timeout)
+
+    inbox = Inbox()
+
+    def submit(data):
+        sent.set()
+        return None
+
+    def requests():
+        assert waiting.wait(30)
+        yield b"request"
+        threading.Event().wait(30)   # the client neither sends nor half-closes
+
+    stream = types.SimpleNamespace(inbox=inbox)
+    refused = []
+    front = types.SimpleNamespace(options=types.SimpleNamespace(receive_timeout_s=0.05),
+                                  _refuse=lambda context, method, exc: refused.append(exc))
+    reader = StreamReader(requests(), inbox, ahead=4, handle=submit)
+    answers = FrontServer._relay_stream(front, stream, reader, None)
+    threading.Thread(target=lambda: answering.wait(30) and inbox.put(
+        (REPLY, (grpc.StatusCode.OK, b"answer"))), daemon=True).start()
+    try:
+        assert next(answers) == b"answer" and refused == []
+    finally:
+        reader.close()

@@ -529,10 +529,10 @@ class Bench:
         try:
             self.drain_replay(client)
             window = _Window(client.replay_info)
-            cpu = cpu_seconds()
+            first, cpu = client.replay_info(), cpu_seconds()
             reports = self.pool.run([dict(job) for _ in range(cell.actors)], plan.warmup,
                                     plan.duration, on_go=window.start)
-            server_cpu = cpu_seconds() - cpu
+            server_cpu, last = cpu_seconds() - cpu, client.replay_info()
             before, after = window.result()
             self.drain_replay(client)
         except client_errors.DuelqError as exc:
@@ -543,7 +543,9 @@ class Bench:
         rows_in = after.inserted - before.inserted
         inserts = rows_in / cell.batch
         wire_bytes = inserts * size["request_bytes"]
-        per_step = (lambda x: 1e6 * x / steps) if steps else (lambda x: None)  # noqa: E731
+        # CPU is counted over the whole run, warm-up included, and so are its steps here.
+        run_steps = (last.sampled - first.sampled) / B
+        per_step = (lambda x: 1e6 * x / run_steps) if run_steps else (lambda x: None)  # noqa: E731
         steps_per_s = steps / plan.duration
         return {**asdict(cell), "request_bytes": size["request_bytes"],
                 "response_bytes": size["response_bytes"], "answers": len(latencies),

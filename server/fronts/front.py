@@ -522,7 +522,9 @@ class FrontServer:
             try:
                 kind, item = stream.inbox.get(
                     timeout=timeout if answered == reader.handled else None)
-            except queue.Empty:
+            except queue.Empty:   # the reader may have sent one since the wait began
+                if answered < reader.handled:
+                    continue
                 self._refuse(context, "TrainStream", StreamIdle(stream_idle(timeout)))
             if kind == REPLY:
                 answered += 1
