@@ -534,6 +534,8 @@ class FrontServer:
                 reading, unsent = False, item
             elif kind == END:
                 reading = False
+            elif kind == FAILED and not isinstance(item, grpc.RpcError):
+                raise item   # sending a request failed: the call ends in error, not OK
             elif kind in (FAILED, CLOSED):   # the call was cancelled or has ended
                 return
         if unsent is not None:
