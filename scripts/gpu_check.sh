@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu_check.sh — the one command for a GPU machine: the `gpu` tests, the device
 # benchmarks (the step, the replay step), then the Docker image's server model end to
-# end (`duelq bench --front-processes $FRONTS`, B = 1024, 8 actors), then a summary.
+# end (`duelq bench --front-processes $FRONTS`, B = 1024, 8 actors: TrainStream, TrainStep,
+# and 8 actors inserting into the server-side replay at ratio 8), then a summary.
 #
 #   [FRONTS=8] [BACKEND=cuda] [E2E=0: skip the end-to-end part] \
 #       scripts/gpu_check.sh [pytest…]
@@ -61,6 +62,12 @@ except (OSError, ValueError, KeyError):
     sys.exit("- no bench.json")
 for r in rows:
     if r.get("batch") == 1024 and r.get("section") == "main" and "error" not in r:
+        if r["kind"] == "replay":
+            print(f"- replay {r['wire']} (ratio {r['ratio_measured'] or 0:.1f}): "
+                  f"{r['steps_per_s']:.0f} learner steps/s, {r['vs_stream_steps'] or 0:.2f}× "
+                  f"TrainStream's; wire bytes per step {r['vs_stream_bytes_per_step'] or 0:.2f}× "
+                  "TrainStream's")
+            continue
         ratio = f" ({r['vs_echo']:.2f} of the echo)" if r.get("vs_echo") else ""
         print(f"- {r['kind']} {r['wire']}: {r['steps_per_s']:.0f} steps/s{ratio}")
 ROWS
