@@ -88,20 +88,25 @@ def test_inserts_are_acknowledged_in_order_and_stored_once_per_key(replay_server
                                                                   np.float32).reshape(7, H))
 
 
-def test_a_bad_insert_ends_the_stream_naming_its_field_and_stores_nothing(replay_server):
-    rng = np.random.default_rng(1)
-    good = insert_request(rows(rng, 4), "actor-b", 1)
+def insert_good_bad_more(server, rng: np.random.Generator, actor: str) -> None:
+    """Stream a good insert, one whose actions are out of range, then another good one:
+    the stream ends INVALID_ARGUMENT naming actions after answering the first only."""
+    good = insert_request(rows(rng, 4), actor, 1)
     bad = insert_request(dataclasses.replace(rows(rng, 4), actions=np.array([0, N, 0, 0],
                                                                             np.int32)),
-                         "actor-b", 2)
-    later = insert_request(rows(rng, 4), "actor-b", 3)
-    answers, call = [], stub(replay_server).InsertStream(iter([good, bad, later]))
+                         actor, 2)
+    later = insert_request(rows(rng, 4), actor, 3)
+    answers, call = [], stub(server).InsertStream(iter([good, bad, later]))
     with pytest.raises(grpc.RpcError) as info:
         for answer in call:
             answers.append(answer)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("actions:")
     assert [a.key.seq for a in answers] == [1]
+
+
+def test_a_bad_insert_ends_the_stream_naming_its_field_and_stores_nothing(replay_server):
+    insert_good_bad_more(replay_server, np.random.default_rng(1), "actor-b")
     assert replay_server.learner.replay_info().size == 4
 
 
@@ -247,17 +252,7 @@ def test_fronts_insert_train_and_report(make_server, fronts):
 def test_fronts_refuse_a_bad_insert_naming_its_field_and_store_nothing(make_server, fronts):
     server = make_server(CONFIG, front_processes=fronts)
     rng = np.random.default_rng(11)
-    good = insert_request(rows(rng, 4), "actor-g", 1)
-    bad = insert_request(dataclasses.replace(rows(rng, 4), actions=np.array([0, N, 0, 0],
-                                                                            np.int32)),
-                         "actor-g", 2)
-    answers, call = [], stub(server).InsertStream(iter([good, bad, good]))
-    with pytest.raises(grpc.RpcError) as info:
-        for answer in call:
-            answers.append(answer)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith("actions:")
-    assert [a.key.seq for a in answers] == [1]
+    insert_good_bad_more(server, rng, "actor-g")
     with LearnerClient(server.target) as client:
         assert client.replay_info().size == 4
         with pytest.raises(errors.InvalidArgument, match="rewards"):

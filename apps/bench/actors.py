@@ -87,31 +87,18 @@ def _run_echo(channel: grpc.Channel, job: dict, tally: _Tally) -> None:
             call.cancel()
 
 
-def _run_stream(client: LearnerClient, batches: list[Batch], job: dict, tally: _Tally) -> None:
+def _run_streamed(open_stream, items: list, job: dict, tally: _Tally) -> None:
+    """``items`` in turn through a client stream (``LearnerClient.train_stream`` or
+    ``insert_stream``), ``window`` in flight, until the tally's end."""
     sent: deque[float] = deque()
 
     def feed():
         i = 0
         while time.monotonic() < tally.t_end:
             sent.append(time.monotonic())
-            yield batches[i % len(batches)]
+            yield items[i % len(items)]
             i += 1
-    for _ in client.train_stream(feed(), window=job["window"]):
-        tally.add(sent.popleft(), time.monotonic())
-
-
-def _run_insert(client: LearnerClient, rows: list[Transitions], job: dict,
-                tally: _Tally) -> None:
-    """Transitions into the server's replay buffer, ``window`` inserts in flight."""
-    sent: deque[float] = deque()
-
-    def feed():
-        i = 0
-        while time.monotonic() < tally.t_end:
-            sent.append(time.monotonic())
-            yield rows[i % len(rows)]
-            i += 1
-    for _ in client.insert_stream(feed(), window=job["window"]):
+    for _ in open_stream(feed(), window=job["window"]):
         tally.add(sent.popleft(), time.monotonic())
 
 
@@ -148,8 +135,11 @@ def _actor_job(conn, index: int, job: dict) -> dict:
         make = make_transitions if job["kind"] == "replay" else make_batch
         batches = [make(rng, job["batch"], job["hidden_dim"], job["n_actions"], job["wire"])
                    for _ in range(POOL)]
-        runner = {"stream": _run_stream, "replay": _run_insert}.get(job["kind"], _run_unary)
-        run = lambda t: runner(client, batches, job, t)  # noqa: E731
+        if job["kind"] == "unary":
+            run = lambda t: _run_unary(client, batches, job, t)  # noqa: E731
+        else:
+            streams = {"stream": client.train_stream, "replay": client.insert_stream}
+            run = lambda t: _run_streamed(streams[job["kind"]], batches, job, t)  # noqa: E731
     try:
         conn.send({"ready": True})
         go = conn.recv()

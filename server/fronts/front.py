@@ -688,16 +688,10 @@ def _serve_relayed(conn, sock: socket.socket, config: LearnerConfig, options: Se
     try:
         server.start(address)
         server.serve_learner(config, backend=backend)
-    except CheckpointError as exc:
-        _tell(conn, ("checkpoint", (str(exc.path), exc.problem)))
-        server.stop(0)
-        return
-    except ReplayTooLarge as exc:   # the front raises it again: serve's own exit and words
-        _tell(conn, ("replay", str(exc)))
-        server.stop(0)
-        return
-    except Exception as exc:  # noqa: BLE001 — reported to the front, which exits with it
-        _tell(conn, ("error", str(exc)))
+    except Exception as exc:  # noqa: BLE001 — the front raises it again (serve's exit, words)
+        _tell(conn, ("checkpoint", (str(exc.path), exc.problem))
+              if isinstance(exc, CheckpointError) else
+              ("replay" if isinstance(exc, ReplayTooLarge) else "error", str(exc)))
         server.stop(0)
         return
     _page_lock(server, buffers)
