@@ -56,7 +56,7 @@ def credentials(pki, who: str | None) -> grpc.ChannelCredentials:
 
 def test_mutual_tls_admits_only_clients_the_ca_signed(make_server, pki):
     d = pki["dir"]
-    server = make_server(host="localhost", tls_cert=str(d / "server.pem"),
+    server = make_server(host="127.0.0.1", tls_cert=str(d / "server.pem"),
                          tls_key=str(d / "server.key"), tls_client_ca=str(d / "client-ca.pem"))
     rng = np.random.default_rng(0)
     with LearnerClient(server.target, tls=credentials(pki, "actor")) as client:
