@@ -5,7 +5,7 @@
 A replay step is three launches (replay_sample, learner_step, replay_commit: the draw, the
 step, the write-back and the tree update); the plain step is learner_step alone on the same
 gathered batch; "draw alone" and "commit alone" time replay_sample and replay_commit by
-themselves, the commit also on other block counts than REPLAY_BLOCKS
+themselves, the commit also on other block counts than tree_blocks picks
 (server/core/cuda_replay.py). All are timed as benchmarks/device_step.py times a step (the
 queue filled behind a spin kernel, CUDA events around K calls, the median over reps). "run" is the wall
 time per step of CudaReplay.train(64) from the host, syncs included. The buffer holds
@@ -22,7 +22,6 @@ import os
 import time
 from pathlib import Path
 
-import cupy as cp
 import numpy as np
 
 from device_step import Timer
@@ -76,12 +75,11 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
         plain_us = timer.device_us(backend.stream, plain_step)
         draw_us = timer.device_us(backend.stream, draw)
         commit_us = timer.device_us(backend.stream, commit)
-        sweep, grid = {}, replay._grid
-        replay._arrivals = cp.zeros(backend.max_blocks, np.uint32)   # room for any grid
-        for blocks in sorted({8, 16, 32, 64, backend.max_blocks}):
-            replay._grid = blocks
+        sweep = {}
+        for blocks in sorted({16, 32, 64, backend.max_blocks}):
+            replay._blocks = lambda rows, blocks=blocks: blocks
             sweep[blocks] = timer.device_us(backend.stream, commit)
-        replay._grid = grid
+        del replay._blocks
     start = time.perf_counter()
     run = learner.train_replay(64 * 8)
     run_us = 1e6 * (time.perf_counter() - start) / max(run.steps, 1)

@@ -14,18 +14,20 @@
 // Kernels, in a replay step's order on one stream:
 //   replay_sample   one warp per drawn row: Philox4x32-10 uniform, the walk down the tree,
 //                   the importance weight, the gather of the row into learner_step's packed
-//                   inputs (the buffer's feature dtype, weights present)
+//                   inputs (the buffer's feature dtype, weights present), and the row's
+//                   owner mark (the draw's mark and the largest batch position that drew it)
 //   (learner_step, unchanged, on those inputs, writing the proposed state)
 //   replay_commit   cooperative: if the step is finite and no earlier step of the run was
 //                   refused, copies the proposed state over the current one, records the
-//                   step's figures and writes the drawn rows' priorities back (the last
-//                   occurrence of a row in batch order wins), then updates the tree level by
-//                   level; otherwise marks the run halted and changes nothing.
+//                   step's figures and writes the drawn rows' priorities back (the position
+//                   that owns a row: its last occurrence in batch order), then updates the
+//                   tree; otherwise marks the run halted and changes nothing.
 //   replay_insert   cooperative: rows into the buffer at the cursor, their priorities and
 //                   leaves, then the tree.
-// Grid barriers between phases (grid_barrier); no reduction whose order depends on timing:
-// atomics only take maxima (the last batch position of a row, the largest priority), whose
-// result is the same in any order.
+// The tree is updated level by level, a grid barrier (grid_barrier) before each level with
+// more than TOP_NODES nodes; the last block to finish those updates the small levels at
+// the top alone. No reduction whose order depends on timing: atomics only take maxima
+// (owner marks, the largest priority), whose result is the same in any order.
 
 #include "dueling_common.cuh"
 
@@ -34,6 +36,9 @@
 #endif
 
 #define FANOUT 32
+#define WARPS (THREADS / 32)      // warps of a block
+#define TASKS 4                   // tree nodes a warp loads at once
+#define TOP_NODES (TASKS * WARPS) // levels this small are updated by one block
 #define FLT_MAX_BITS 0x7f7fffffu
 #define ROW_BYTES (HIDDEN_DIM * FEATURE_BYTES)
 // A row's features move in the widest unit that divides them.
@@ -95,59 +100,104 @@ __device__ __forceinline__ long long touched_row(const int* rows, int start, lon
     return rows != nullptr ? (long long)__ldcg(rows + t) : ((long long)start + t) % CAPACITY;
 }
 
-// Recompute level k's nodes above `count` touched leaves (each by one warp from its 32
-// children, sums by the xor butterfly left in lane 0, mins likewise); every node of the
-// level when it has no more nodes than `count`. Children were written by other blocks
-// before the last grid barrier: read from L2.
+// Nodes of tree level k (level 0: the leaves), as tree_nodes holds them.
+__host__ __device__ constexpr long long level_nodes(int k) {
+    return k == 0 ? (long long)CAPACITY : (level_nodes(k - 1) + FANOUT - 1) / FANOUT;
+}
+// The first level of at most TOP_NODES nodes: it and those above are one block's work.
+__host__ __device__ constexpr int top_level(int k) {
+    return level_nodes(k) <= TOP_NODES ? k : top_level(k + 1);
+}
+#define TOP_LEVEL top_level(1)
+
+// Recompute level k's nodes above `count` touched leaves, every node of the level when it
+// has no more nodes than `count`: warp w of `warps` takes tasks w, w + warps, …, TASKS at a
+// time, loading their children before reducing any (sums by the xor butterfly left in lane
+// 0, mins likewise). Children were written by other blocks (or other warps of this one)
+// before the last barrier: read from L2.
 __device__ void update_level(int k, const int* rows, int start, int count, const float* leaves,
-                             double* sums, float* mins) {
+                             double* sums, float* mins, long long warp, long long warps) {
     const int lane = threadIdx.x & 31;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     const long long nodes = tree_nodes[k];
     const bool whole = nodes <= count;
     const long long tasks = whole ? nodes : count;
-    for (long long t = warp; t < tasks; t += warps) {
-        const long long node = whole ? t : touched_row(rows, start, t) >> (5 * k);
-        const long long at = node * FANOUT + lane;
-        double s;
-        float m;
-        if (k == 1) {
-            const float leaf = __ldcg(leaves + at);
-            s = (double)leaf;
-            m = positive_or_inf(leaf);
-        } else {
-            s = __ldcg(sums + tree_offset[k - 1] + at);
-            m = positive_or_inf(__ldcg(mins + tree_offset[k - 1] + at));
+    for (long long first = warp; first < tasks; first += TASKS * warps) {
+        long long node[TASKS];
+        double s[TASKS];
+        float m[TASKS];
+#pragma unroll
+        for (int r = 0; r < TASKS; ++r) {
+            const long long t = first + r * warps;
+            node[r] = -1;
+            s[r] = 0.0;
+            m[r] = __int_as_float(0x7f800000);
+            if (t >= tasks) continue;  // the same t in every lane of the warp
+            node[r] = whole ? t : touched_row(rows, start, t) >> (5 * k);
+            const long long at = node[r] * FANOUT + lane;
+            if (k == 1) {
+                const float leaf = __ldcg(leaves + at);
+                s[r] = (double)leaf;
+                m[r] = positive_or_inf(leaf);
+            } else {
+                s[r] = __ldcg(sums + tree_offset[k - 1] + at);
+                m[r] = positive_or_inf(__ldcg(mins + tree_offset[k - 1] + at));
+            }
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            s = __dadd_rn(s, __shfl_xor_sync(FULL_MASK, s, o));
-            m = fminf(m, __shfl_xor_sync(FULL_MASK, m, o));
-        }
-        if (lane == 0) {
-            sums[tree_offset[k] + node] = s;
-            mins[tree_offset[k] + node] = m;
+        for (int r = 0; r < TASKS; ++r) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                s[r] = __dadd_rn(s[r], __shfl_xor_sync(FULL_MASK, s[r], o));
+                m[r] = fminf(m[r], __shfl_xor_sync(FULL_MASK, m[r], o));
+            }
+            if (lane == 0 && node[r] >= 0) {
+                sums[tree_offset[k] + node[r]] = s[r];
+                mins[tree_offset[k] + node[r]] = m[r];
+            }
         }
     }
 }
 
-// Levels 1..D above `count` touched leaves, a grid barrier before each (the first: the
-// leaves written; targets barrier, barrier + 1, …). Every block of the grid calls it.
+// Levels 1..D above `count` touched leaves; every block of the grid calls it after writing
+// its leaves. The levels below TOP_LEVEL go grid-wide, a grid barrier before each (targets
+// barrier, barrier + 1, …); the last block to finish them (the ticket counts arrivals; that
+// block sets it back to 0) updates the levels from TOP_LEVEL up alone. Other blocks return.
 __device__ void update_tree(const int* rows, int start, int count, const float* leaves,
                             double* sums, float* mins, unsigned int* arrivals,
-                            unsigned int barrier) {
-    for (int k = 1; k <= TREE_DEPTH; ++k) {
+                            unsigned int barrier, unsigned int* ticket) {
+    __shared__ bool last;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    for (int k = 1; k < TOP_LEVEL; ++k) {
         __threadfence();
         grid_barrier(arrivals, barrier + (unsigned int)(k - 1));
-        update_level(k, rows, start, count, leaves, sums, mins);
+        update_level(k, rows, start, count, leaves, sums, mins, warp,
+                     ((long long)gridDim.x * blockDim.x) >> 5);
     }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int k = TOP_LEVEL; k <= TREE_DEPTH; ++k) {
+        update_level(k, rows, start, count, leaves, sums, mins, threadIdx.x >> 5, WARPS);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
 }
 
-// Read once by the host: grid barriers of replay_commit and of replay_insert (the host
-// numbers them: each launch's targets follow the last's), a row's feature bytes.
+// Read once by the host: the grid barriers of one tree update (of replay_commit and of
+// replay_insert; the host numbers them: each launch's targets follow the last's), a row's
+// feature bytes.
 extern "C" {
-__device__ unsigned int replay_layout[3] = {TREE_DEPTH + 1, TREE_DEPTH, ROW_BYTES};
+__device__ unsigned int replay_layout[2] = {TOP_LEVEL - 1, ROW_BYTES};
+}
+
+// A row's owner mark: the draw's mark (the host's count of draws, from 1; 48 bits last
+// 10^9 s at 10^5 draws/s) above the batch position (B ≤ 65536, LearnerConfig's limit), so a
+// later draw's marks exceed every earlier one's and no mark is ever cleared.
+__device__ __forceinline__ unsigned long long owner_mark(unsigned long long mark, int b) {
+    return (mark << 16) | (unsigned int)b;
 }
 
 // ---- replay_sample ---------------------------------------------------------------------
@@ -158,7 +208,8 @@ replay_sample(const float* __restrict__ leaves, const double* __restrict__ sums,
               const unit_t* __restrict__ rows_tp1, const int* __restrict__ actions,
               const float* __restrict__ rewards, const float* __restrict__ dones,
               const float* __restrict__ discounts, unsigned long long draw, unsigned int key0,
-              unsigned int key1, double beta, int batch, int* __restrict__ drawn,
+              unsigned int key1, double beta, int batch, unsigned long long mark,
+              int* __restrict__ drawn, unsigned long long* __restrict__ owner,
               unit_t* __restrict__ packed) {
     const int lane = threadIdx.x & 31;
     const int b = (int)(((long long)blockIdx.x * THREADS + threadIdx.x) >> 5);
@@ -198,6 +249,7 @@ replay_sample(const float* __restrict__ leaves, const double* __restrict__ sums,
         tail[3 * batch + b] = discounts[row];
         tail[4 * batch + b] = (float)pow(ratio, beta);
         drawn[b] = (int)row;
+        atomicMax(owner + row, owner_mark(mark, b));
     }
 }
 
@@ -212,17 +264,19 @@ struct CommitArgs {
     const int* observed_next;
     int* observed;
     const int* drawn;           // [B] rows drawn by replay_sample
+    const unsigned long long* owner;  // [C] owner marks (replay_sample's)
     float* priorities;          // [C]
     float* leaves;              // [32 n_1] p^α
     double* sums;               // tree levels 1..D
     float* mins;
-    int* owner;                 // [C] the last batch position that drew a row; −1 between
     float* max_priority;        // [1] the largest priority written (bits compare as uints)
     unsigned int* control;      // [2] the run's halted flag, steps committed in the run
     double* stats;              // [run][3] loss, mean Q, gradient norm of each committed step
     unsigned int* arrivals;     // [G] grid-barrier flags
+    unsigned int* ticket;       // [1] update_tree's count of blocks done; 0 between launches
+    unsigned long long mark;    // the draw's mark, as replay_sample got it
     double alpha;               // α
-    unsigned int barrier;       // the first barrier's target (the launch uses D + 1)
+    unsigned int barrier;       // the first barrier's target
     int batch;                  // B
     int step_blocks;            // G of the learner_step launch that wrote `out`
     int isv_size;
@@ -231,13 +285,14 @@ struct CommitArgs {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_commit(const CommitArgs a) {
     __shared__ int commit;
+    __shared__ float figures[3][THREADS];
     const int B = a.batch, G = a.step_blocks;
     const float* head = a.out + 2 * B;  // entropy, then [5][G]
     if (threadIdx.x < 32) {  // the same decision in every block (see the host's propose)
         bool ok = *reinterpret_cast<volatile const unsigned int*>(a.control) == 0u;
-        for (int g = threadIdx.x; g < G; g += 32)
-            ok = ok && head[1 + g] == 1.f && head[1 + 4 * G + g] == 1.f &&
-                 isfinite(head[1 + 2 * G + g]) && isfinite(head[1 + 3 * G + g]);
+        for (int g = threadIdx.x; g < G; g += 32)  // no short cut: the loads go together
+            ok &= (head[1 + g] == 1.f) & (head[1 + 4 * G + g] == 1.f) &
+                  isfinite(head[1 + 2 * G + g]) & isfinite(head[1 + 3 * G + g]);
         ok = __all_sync(FULL_MASK, ok);
         if (threadIdx.x == 0) commit = ok;
     }
@@ -254,36 +309,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_commit(const Com
         a.isv[i] = a.isv_next[i];
         a.observed[i] = a.observed_next[i];
     }
+    unsigned int largest = 0u;  // of this thread's priorities, as bits
     for (long long b = tid; b < B; b += threads) {
-        atomicMax(a.owner + a.drawn[b], (int)b);
+        const int row = a.drawn[b];
         const float p = fminf(written[b], __int_as_float(FLT_MAX_BITS));
-        atomicMax(reinterpret_cast<unsigned int*>(a.max_priority), __float_as_uint(p));
-    }
-    if (tid == 0) {  // the step's figures, as the host adds them (server/core/native.c)
-        double loss = 0.0, q = 0.0, norm2 = 0.0;
-        for (int g = 0; g < G; ++g) {
-            const double n = (double)head[1 + G + g];
-            norm2 = __dadd_rn(norm2, __dmul_rn(n, n));
-            loss = __dadd_rn(loss, (double)head[1 + 2 * G + g]);
-            q = __dadd_rn(q, (double)head[1 + 3 * G + g]);
-        }
-        a.stats[3 * a.stats_row] = __ddiv_rn(loss, (double)B);
-        a.stats[3 * a.stats_row + 1] = __ddiv_rn(q, (double)B);
-        a.stats[3 * a.stats_row + 2] = __dsqrt_rn(norm2);
-        a.control[1] += 1u;
-    }
-    __threadfence();
-    grid_barrier(a.arrivals, a.barrier);
-    for (long long b = tid; b < B; b += threads) {  // the last occurrence of each row
-        const int row = __ldcg(a.drawn + b);
-        if (__ldcg(a.owner + row) == (int)b) {
-            const float p = fminf(written[b], __int_as_float(FLT_MAX_BITS));
+        if (a.owner[row] == owner_mark(a.mark, (int)b)) {  // the row's last occurrence
             a.priorities[row] = p;
             a.leaves[row] = leaf_of(p, a.alpha);
         }
+        largest = max(largest, __float_as_uint(p));
     }
-    update_tree(a.drawn, 0, B, a.leaves, a.sums, a.mins, a.arrivals, a.barrier + 1u);
-    for (long long b = tid; b < B; b += threads) a.owner[__ldcg(a.drawn + b)] = -1;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) largest = max(largest, __shfl_xor_sync(FULL_MASK, largest, o));
+    if ((threadIdx.x & 31) == 0 && largest != 0u)
+        atomicMax(reinterpret_cast<unsigned int*>(a.max_priority), largest);
+    if (blockIdx.x == 0) {  // the step's figures, added in order as the host does
+        double loss = 0.0, q = 0.0, norm2 = 0.0;  // (server/core/native.c)
+        for (int first = 0; first < G; first += THREADS) {  // loaded together, then added
+            const int g = first + threadIdx.x;
+            if (g < G) {
+                figures[0][threadIdx.x] = head[1 + G + g];
+                figures[1][threadIdx.x] = head[1 + 2 * G + g];
+                figures[2][threadIdx.x] = head[1 + 3 * G + g];
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                for (int j = 0; j < min(THREADS, G - first); ++j) {
+                    const double n = (double)figures[0][j];
+                    norm2 = __dadd_rn(norm2, __dmul_rn(n, n));
+                    loss = __dadd_rn(loss, (double)figures[1][j]);
+                    q = __dadd_rn(q, (double)figures[2][j]);
+                }
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            a.stats[3 * a.stats_row] = __ddiv_rn(loss, (double)B);
+            a.stats[3 * a.stats_row + 1] = __ddiv_rn(q, (double)B);
+            a.stats[3 * a.stats_row + 2] = __dsqrt_rn(norm2);
+            a.control[1] += 1u;
+        }
+    }
+    update_tree(a.drawn, 0, B, a.leaves, a.sums, a.mins, a.arrivals, a.barrier, a.ticket);
 }
 
 // ---- replay_insert -----------------------------------------------------------------------
@@ -302,8 +369,9 @@ struct InsertArgs {
     float* mins;
     float* max_priority;        // [1]
     unsigned int* arrivals;     // [G]
+    unsigned int* ticket;       // [1]
     double alpha;
-    unsigned int barrier;       // the first barrier's target (the launch uses D)
+    unsigned int barrier;       // the first barrier's target
     int count;                  // n ≤ C
     int start;                  // the cursor: row t goes to (start + t) mod C
     int has_priorities;         // 0: every row gets *max_priority
@@ -333,5 +401,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_insert(const Ins
         a.priorities[row] = p;
         a.leaves[row] = leaf_of(p, a.alpha);
     }
-    update_tree(nullptr, a.start, n, a.leaves, a.sums, a.mins, a.arrivals, a.barrier);
+    update_tree(nullptr, a.start, n, a.leaves, a.sums, a.mins, a.arrivals, a.barrier,
+                a.ticket);
 }

@@ -183,6 +183,10 @@ def test_step_by_step_against_the_reference_and_the_batch_path(case):
     for step in range(6):
         if step == 3:
             fill([cuda], rng, case, max(1, case.capacity // 4))
+        if step == 4:   # draws whose steps never ran leave owner marks the next draw outranks
+            with cuda.backend.stream:
+                for draw in (10**6, 10**6 + 1):
+                    cuda.replay._launch_sample(draw)
         state, buffer = cuda.snapshot(), cuda.replay_snapshot()
         ref.load(state)
         ref.load_replay(buffer)

@@ -34,10 +34,15 @@ from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, R
 from duelq.wire.types import Batch, Transitions
 
 RUN_STEPS = 64           # steps between two syncs (rows of the report)
-#: Blocks of replay_commit and replay_insert (fewer on a smaller device).  Every loop in them
-#: is grid-strided, so any count gives the same bits; a grid barrier's wait grows with the
-#: blocks it polls, and benchmarks/replay_step.py's sweep puts the best count here.
-REPLAY_BLOCKS = 32
+
+
+def tree_blocks(rows: int, max_blocks: int) -> int:
+    """Blocks of a replay_commit or replay_insert that touches ``rows`` leaves: one per 16
+    rows, at least 32, at most one per SM.  Every loop in them is grid-strided, so any count
+    gives the same bits; more blocks share the rows, but a grid barrier's wait grows with the
+    blocks it polls (benchmarks/replay_step.py's sweep: the best count at B = 256, 1024 and
+    4096 was 32, 64 and 132 on an H200's 132 SMs)."""
+    return min(max_blocks, max(32, rows // 16))
 HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
 _WORD = 0xFFFFFFFF
 
@@ -48,7 +53,7 @@ def device_bytes(config: LearnerConfig) -> int:
     B, H = config.replay_batch_size, config.hidden_dim
     itemsize = STORAGE_DTYPES[config.replay_dtype].itemsize
     gathered = 4 * packed_layout(B, H, itemsize, True)[1]
-    return replay_bytes(config) + 4 * config.replay_capacity + gathered + 8 + 24 * RUN_STEPS
+    return replay_bytes(config) + 8 * config.replay_capacity + gathered + 8 + 24 * RUN_STEPS
 
 
 class CudaReplay(ReplayBuffer):
@@ -68,8 +73,8 @@ class CudaReplay(ReplayBuffer):
         self._dtype = STORAGE_DTYPES[config.replay_dtype]
         self._kind = FEATURE_KINDS[self._dtype]
         self._levels = tree_levels(C)
-        self._grid = min(REPLAY_BLOCKS, backend.max_blocks)   # of the cooperative kernels
         self._barrier = 1                    # the next grid barrier's target
+        self._mark = 0                       # the last draw's owner mark (draws so far)
         self._compile()
         bits = np.uint16 if self._dtype.itemsize == 2 else np.float32
         stream = backend.stream
@@ -84,12 +89,13 @@ class CudaReplay(ReplayBuffer):
             self._leaves = cp.zeros(self._levels[0], np.float32)             # [32 n_1]
             self._sums = cp.zeros(sum(self._levels[1:]), np.float64)          # levels 1..D
             self._mins = cp.full(sum(self._levels[1:]), np.inf, np.float32)
-            self._owner = cp.full(C, -1, np.int32)       # [C]
+            self._owner = cp.zeros(C, np.uint64)         # [C] marks of the last draws
             self._max_priority = cp.ones(1, np.float32)
             self._drawn = cp.zeros(B, np.int32)          # [B] rows of the last draw
             self._gathered = cp.zeros(packed_layout(B, H, self._dtype.itemsize, True)[1],
                                       np.float32)        # learner_step's packed inputs
-            self._arrivals = cp.zeros(self._grid, np.uint32)
+            self._arrivals = cp.zeros(backend.max_blocks, np.uint32)
+            self._ticket = cp.zeros(1, np.uint32)
             self._report = cp.zeros(8 + 24 * RUN_STEPS, np.uint8)  # control [2] u32, stats
         stream.synchronize()
         self._staging = _Staging()           # an insert's packed rows
@@ -105,8 +111,8 @@ class CudaReplay(ReplayBuffer):
         self._sample = module.get_function("replay_sample")
         self._commit = module.get_function("replay_commit")
         self._insert = module.get_function("replay_insert")
-        layout = cp.ndarray(3, np.uint32, module.get_global("replay_layout")).get()
-        self._commit_barriers, self._insert_barriers, row_bytes = (int(x) for x in layout)
+        layout = cp.ndarray(2, np.uint32, module.get_global("replay_layout")).get()
+        self._tree_barriers, row_bytes = (int(x) for x in layout)
         assert row_bytes == c.hidden_dim * self._dtype.itemsize, "kernel and host disagree"
         for name, values in zip(("tree_offset", "tree_nodes"), tree_layout(c.replay_capacity)):
             cp.ndarray(values.shape, np.int64, module.get_global(name)).set(values)
@@ -145,7 +151,7 @@ class CudaReplay(ReplayBuffer):
             self._sums.set(np.concatenate(tree.sums), stream=stream)
             self._mins.set(np.concatenate(tree.mins), stream=stream)
             self._max_priority.set(np.array([state.max_priority], np.float32), stream=stream)
-            self._owner.fill(-1)
+            self._owner.fill(0)
         stream.synchronize()
         self._counters = {name: getattr(state, name) for name in ReplayState.COUNTERS}
 
@@ -163,14 +169,18 @@ class CudaReplay(ReplayBuffer):
                 discounts=self._discounts.data.ptr, priorities=self._priorities.data.ptr,
                 leaves=self._leaves.data.ptr, sums=self._sums.data.ptr,
                 mins=self._mins.data.ptr, max_priority=self._max_priority.data.ptr,
-                arrivals=self._arrivals.data.ptr, alpha=self.config.replay_alpha,
-                barrier=self._barriers(self._insert_barriers), count=n, start=c["cursor"],
+                arrivals=self._arrivals.data.ptr, ticket=self._ticket.data.ptr,
+                alpha=self.config.replay_alpha, barrier=self._barriers(self._tree_barriers),
+                count=n, start=c["cursor"],
                 has_priorities=t.priorities is not None)
-            b._launch_cooperative(self._insert, self._grid, THREADS, 0, args)
+            b._launch_cooperative(self._insert, self._blocks(n), THREADS, 0, args)
         b.stream.synchronize()   # the staging buffer is packed again by the next insert
         C = self.config.replay_capacity
         c["cursor"], c["size"], c["inserted"] = ((c["cursor"] + n) % C, min(c["size"] + n, C),
                                                  c["inserted"] + n)
+
+    def _blocks(self, rows: int) -> int:
+        return tree_blocks(rows, self.backend.max_blocks)
 
     def _barriers(self, count: int) -> int:
         """The first of ``count`` grid-barrier targets of the next launch."""
@@ -216,13 +226,16 @@ class CudaReplay(ReplayBuffer):
         return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3)
 
     def _launch_sample(self, draw: int) -> None:
-        """replay_sample of draw ``draw`` into the gathered batch."""
+        """replay_sample of draw ``draw`` into the gathered batch, under the next owner mark
+        (the one the following :meth:`_launch_commit` reads)."""
         B, seed = self.config.replay_batch_size, self.config.replay_seed
+        self._mark += 1
         self._sample((-(-B // (THREADS // 32)),), (THREADS,), (
             self._leaves, self._sums, self._mins, self._h_t, self._h_tp1, self._actions,
             self._rewards, self._dones, self._discounts, np.uint64(draw),
             np.uint32(seed & _WORD), np.uint32(seed >> 32),
-            np.float64(beta_at(self.config, draw)), np.int32(B), self._drawn, self._gathered))
+            np.float64(beta_at(self.config, draw)), np.int32(B), np.uint64(self._mark),
+            self._drawn, self._owner, self._gathered))
 
     def _launch_step(self, B: int) -> None:
         """The backend's learner_step on the gathered batch (weights present)."""
@@ -239,11 +252,13 @@ class CudaReplay(ReplayBuffer):
             out=b._outputs.device_ptr, next=proposed.params.data.ptr, state=now.params.data.ptr,
             isv_next=proposed.isv.data.ptr, isv=now.isv.data.ptr,
             observed_next=proposed.observed.data.ptr, observed=now.observed.data.ptr,
-            drawn=self._drawn.data.ptr, priorities=self._priorities.data.ptr,
-            leaves=self._leaves.data.ptr, sums=self._sums.data.ptr, mins=self._mins.data.ptr,
-            owner=self._owner.data.ptr, max_priority=self._max_priority.data.ptr,
-            control=self._report.data.ptr, stats=self._report.data.ptr + 8,
-            arrivals=self._arrivals.data.ptr, alpha=config.replay_alpha,
-            barrier=self._barriers(self._commit_barriers), batch=config.replay_batch_size,
+            drawn=self._drawn.data.ptr, owner=self._owner.data.ptr,
+            priorities=self._priorities.data.ptr, leaves=self._leaves.data.ptr,
+            sums=self._sums.data.ptr, mins=self._mins.data.ptr,
+            max_priority=self._max_priority.data.ptr, control=self._report.data.ptr,
+            stats=self._report.data.ptr + 8, arrivals=self._arrivals.data.ptr,
+            ticket=self._ticket.data.ptr, mark=self._mark, alpha=config.replay_alpha,
+            barrier=self._barriers(self._tree_barriers), batch=config.replay_batch_size,
             step_blocks=G, isv_size=config.isv_size, stats_row=index)
-        b._launch_cooperative(self._commit, self._grid, THREADS, 0, args)
+        b._launch_cooperative(self._commit, self._blocks(config.replay_batch_size), THREADS,
+                              0, args)
