@@ -12,7 +12,7 @@ sends headers and nothing more, or stops mid-message, could hold every worker.  
   Health checks, which need no token, have :data:`HEALTH_RPCS` places of their own;
 * every request message must arrive whole within ``receive_timeout_s`` of the server
   asking for it, or the call is cancelled (CANCELLED) and gives its place back
-  (:class:`Watchdog`).  A TrainStream times its own reads instead
+  (:class:`Watchdog`).  TrainStream and InsertStream time their own reads instead
   (:class:`StreamReader`): between requests an actor may pause, and an idle stream ends
   UNAVAILABLE, which the client answers by reopening it.
 

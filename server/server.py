@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Learner"].full_name  # "duelq.v1.Learner"
 #: Methods that time their own reads (an idle stream ends UNAVAILABLE; see gate.py).
-SELF_TIMED = (f"/{SERVICE_NAME}/TrainStream",)
+SELF_TIMED = (f"/{SERVICE_NAME}/TrainStream", f"/{SERVICE_NAME}/InsertStream")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ version, run under one lock (a train request is decoded, checked and sent on its
 to the device before it queues for that lock), so keys are checked and recorded atomically with
 the step they guard and steps apply one at a time in arrival order.  At most
 ``max_queue`` requests wait for that lock (RESOURCE_EXHAUSTED past it).  A
-TrainStream reads its requests on a thread of its own (:class:`StreamReader`), one
-at a time, so a client that does not read its answers stops being read; one that
-sends no request for ``receive_timeout_s`` is ended UNAVAILABLE.  A
+stream (TrainStream, InsertStream) reads its requests on a thread of its own
+(:class:`StreamReader`), one at a time, so a client that does not read its answers stops
+being read; one that sends no request for ``receive_timeout_s`` is ended UNAVAILABLE.  A
 request whose deadline passes, or whose client goes away, while it waits is
 answered DEADLINE_EXCEEDED and not applied; one that has started is applied
 and recorded under its key.  A checkpoint snapshot (state and idempotency
@@ -91,7 +91,8 @@ class Expired(LearnerError):
 
 
 class StreamIdle(LearnerError):
-    """A TrainStream sent no request for ``receive_timeout_s`` while none was in flight."""
+    """A stream (TrainStream, InsertStream) sent no request for ``receive_timeout_s`` while
+    none was in flight."""
 
 
 _STATUS: tuple[tuple[tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
@@ -205,7 +206,7 @@ def queue_full(limit: int) -> str:
 
 
 def stream_idle(timeout_s: float) -> str:
-    """What the server says to a TrainStream idle for ``receive_timeout_s``."""
+    """What the server says to a stream idle for ``receive_timeout_s``."""
     return (f"no request for {timeout_s:g} s while none was in flight: the stream is "
             f"closed; open another to send more (resending unanswered keys is safe)")
 
@@ -307,6 +308,17 @@ class TrainJob:
 
     def close(self) -> None:
         self.prepared.__exit__()
+
+
+@dataclass
+class InsertJob:
+    """An insert's rows, checked for shape, waiting for the apply lock (a relay Job)."""
+
+    key: pb.RequestKey
+    rows: Transitions
+
+    def close(self) -> None:
+        pass
 
 
 class _Release:
@@ -482,14 +494,17 @@ class LearnerService(pb_grpc.LearnerServicer):
             return response
         return self._keyed(job.key, pb.TrainResponse, apply, context)
 
-    def relay_prepare(self, data: memoryview, unary: bool) -> TrainJob:
-        """:meth:`prepare_train` of a relayed TrainStep/TrainStream request's bytes.  Bytes
-        that do not parse are refused as DecodeGuard refuses them on a gRPC server."""
+    def relay_prepare(self, data: memoryview, method: str) -> TrainJob | InsertJob:
+        """:meth:`prepare_train` (or :meth:`prepare_insert`) of a relayed request's bytes,
+        ``method``'s.  Bytes that do not parse are refused as DecodeGuard refuses them on a
+        gRPC server."""
         try:
-            request = train_request_deserializer(data)
+            request = (pb.InsertStreamRequest.FromString(data) if method == "InsertStream"
+                       else train_request_deserializer(data))
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
-            raise InvalidArgument("request", undecodable("TrainStep" if unary else "TrainStream",
-                                                         exc)) from None
+            raise InvalidArgument("request", undecodable(method, exc)) from None
+        if method == "InsertStream":
+            return self.prepare_insert(request)
         return self.prepare_train(request)
 
     def relay_prepare_packed(self, packed: PackedBatch, key_bytes: bytes) -> TrainJob:
@@ -511,14 +526,6 @@ class LearnerService(pb_grpc.LearnerServicer):
         # The handler itself, not _rpc's wrapper, which would abort a grpc context.
         return getattr(type(self), name).__wrapped__(self, message, context).SerializeToString()
 
-    def open_stream(self) -> None:
-        """Count one more open TrainStream; ResourceExhausted past ``max_streams``."""
-        if not self._streams.acquire(blocking=False):
-            raise ResourceExhausted(too_many_streams(self.limits.max_streams))
-
-    def close_stream(self) -> None:
-        self._streams.release()
-
     def train_due(self, limit: int) -> ReplayRun | None:
         """The replay steps replay_ratio asks for now, at most ``limit``, under the apply lock
         (the replay loop's turn); None when none are due.  NotServing once draining."""
@@ -532,18 +539,23 @@ class LearnerService(pb_grpc.LearnerServicer):
                 self.checkpoints.notify(learner.step_count)
             return run
 
-    def _insert(self, request: pb.InsertStreamRequest,
-                context: grpc.ServicerContext | None) -> pb.InsertStreamResponse:
-        learner = self.learner
+    def prepare_insert(self, request: pb.InsertStreamRequest) -> InsertJob:
+        """An insert's checks that run before the apply lock (key, shapes)."""
+        self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
         self._check_train_key(request.key)
-        rows = decode_transitions(request)
+        return InsertJob(request.key, decode_transitions(request))
+
+    def apply_insert(self, job: InsertJob, context: grpc.ServicerContext | None
+                     ) -> pb.InsertStreamResponse:
+        """Insert a prepared request's rows once under the apply lock; wake the replay loop."""
+        learner = self.learner
 
         def apply() -> pb.InsertStreamResponse:
-            result = learner.insert(rows)
+            result = learner.insert(job.rows)
             return pb.InsertStreamResponse(rows=result.rows, size=result.size,
-                                     inserted=result.inserted, version=result.step,
-                                     step=result.step, key=request.key)
-        response = self._keyed(request.key, pb.InsertStreamResponse, apply, context)
+                                           inserted=result.inserted, version=result.step,
+                                           step=result.step, key=job.key)
+        response = self._keyed(job.key, pb.InsertStreamResponse, apply, context)
         if self.on_insert is not None and not response.replayed:
             self.on_insert()
         return response
@@ -551,12 +563,8 @@ class LearnerService(pb_grpc.LearnerServicer):
     @_rpc
     def InsertStream(self, request_iterator, context) -> Iterator[pb.InsertStreamResponse]:
         self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
-        self.open_stream()
-        try:
-            for request in request_iterator:
-                yield self._insert(request, context)
-        finally:
-            self.close_stream()
+        yield from self._stream(request_iterator, context, lambda request, context:
+                                self.apply_insert(self.prepare_insert(request), context))
 
     @_rpc
     def TrainReplay(self, request, context):
@@ -584,10 +592,17 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     @_rpc
     def TrainStream(self, request_iterator, context) -> Iterator[pb.TrainResponse]:
+        yield from self._stream(request_iterator, context, self._train)
+
+    def _stream(self, requests: Iterator, context: grpc.ServicerContext,
+                answer: Callable[[Any, grpc.ServicerContext], Any]) -> Iterator:
+        """A stream's requests answered in order by ``answer``, holding one of
+        ``max_streams`` places; with no request for ``receive_timeout_s`` and none being
+        answered, the stream ends UNAVAILABLE (StreamIdle)."""
         if not self._streams.acquire(blocking=False):
             raise ResourceExhausted(too_many_streams(self.limits.max_streams))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        reader = StreamReader(request_iterator, inbox, ahead=1)
+        reader = StreamReader(requests, inbox, ahead=1)
         try:
             while True:
                 try:
@@ -598,8 +613,8 @@ class LearnerService(pb_grpc.LearnerServicer):
                     return
                 if kind == FAILED:
                     raise item
-                reader.done()   # the next request is read and parsed while this one steps
-                yield self._train(item, context)
+                reader.done()   # the next request is read and parsed while this one is applied
+                yield answer(item, context)
         finally:
             reader.close()
             self._streams.release()

@@ -64,19 +64,19 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "
 
 
 class RelayWork:
-    """A relay.RelayService whose work is the functions given: ``prepare(data, unary)``,
-    ``apply(job, call)``, ``refuse(exc, unary)`` (default: INTERNAL, the exception's
+    """A relay.RelayService whose work is the functions given: ``prepare(data, method)``,
+    ``apply(job, call)``, ``refuse(exc, method)`` (default: INTERNAL, the exception's
     words), ``prepare_packed(packed, key)`` and ``call(method, request, call)`` (default:
     refused); it counts what the metrics would."""
 
     def __init__(self, prepare, apply, refuse=None, *, prepare_packed=None, call=None):
         self._prepare, self._apply = prepare, apply
-        self._refuse = refuse or (lambda exc, unary: (grpc.StatusCode.INTERNAL, str(exc)))
+        self._refuse = refuse or (lambda exc, method: (grpc.StatusCode.INTERNAL, str(exc)))
         self._prepare_packed, self._call = prepare_packed, call
         self.depth = self.opened = self.closed = 0   # requests not answered; streams
 
-    def prepare(self, request, unary):
-        return self._prepare(request, unary)
+    def prepare(self, request, method):
+        return self._prepare(request, method)
 
     def prepare_packed(self, packed, key):
         if self._prepare_packed is None:
@@ -86,8 +86,8 @@ class RelayWork:
     def apply(self, job, call):
         return self._apply(job, call)
 
-    def refusal(self, exc, unary):
-        return self._refuse(exc, unary)
+    def refusal(self, exc, method):
+        return self._refuse(exc, method)
 
     def call(self, method, request, call):
         if self._call is None:

@@ -700,7 +700,7 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
             at = (i % 8) * size
             if not packed:   # at an odd offset
                 pool[at + 1:at + 1 + len(data)] = np.frombuffer(data, np.uint8)
-                return service.relay_prepare(pool.data[at + 1:at + 1 + len(data)], False)
+                return service.relay_prepare(pool.data[at + 1:at + 1 + len(data)], "TrainStream")
             return service.relay_prepare_packed(*pack_request(data, pool[at:at + size],
                                                               packer))
 
@@ -786,7 +786,7 @@ def test_an_upload_failing_part_way_gives_its_buffer_back_whole(packed, monkeypa
     def step(B: int, weights: bool) -> None:
         data = encode_batch(random_batch(rng, B, config, start, weights)).SerializeToString()
         pool[1:1 + len(data)] = np.frombuffer(data, np.uint8)
-        with service.relay_prepare(pool.data[1:1 + len(data)], False) as job:
+        with service.relay_prepare(pool.data[1:1 + len(data)], "TrainStream") as job:
             got = relayed.step(job.prepared)
         same(got, plain.step(decode_batch(parse_train_request(data))))
     with relayed_learners(config, start, 4 << 20) as (plain, relayed, service, pool):
@@ -799,7 +799,7 @@ def test_an_upload_failing_part_way_gives_its_buffer_back_whole(packed, monkeypa
                 service.relay_prepare_packed(*pack_request(bigger, pool))
             else:
                 pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
-                service.relay_prepare(pool.data[1:1 + len(bigger)], False)
+                service.relay_prepare(pool.data[1:1 + len(bigger)], "TrainStream")
         assert not fail   # the failure came from the buffer's staging buffer
         batches = [random_batch(rng, 64, config, start, True)
                    for _ in range(cuda.UPLOAD_BUFFERS)]

@@ -265,8 +265,8 @@ def _started_relay(service: RelayWork, buffers: BufferPool | None = None):
 def _relay_pair(apply, free: queue.SimpleQueue, *, code=grpc.StatusCode.INTERNAL):
     """:func:`_started_relay` whose jobs hold one of ``free``'s places (:class:`_Job`);
     refusals answered ``code``."""
-    return _started_relay(RelayWork(lambda data, unary: _Job(data, free), apply,
-                                   lambda exc, unary: (code, str(exc))), BufferPool(32, 4096))
+    return _started_relay(RelayWork(lambda data, method: _Job(data, free), apply,
+                                   lambda exc, method: (code, str(exc))), BufferPool(32, 4096))
 
 
 def test_relay_answers_on_after_a_job_fails_to_close():
@@ -280,7 +280,7 @@ def test_relay_answers_on_after_a_job_fails_to_close():
     try:
         for payload, want in ((b"good", grpc.StatusCode.OK), (b"bad", grpc.StatusCode.INTERNAL),
                               (b"good", grpc.StatusCode.OK)):
-            stream = front.open(unary=True, deadline=time.monotonic() + 10)
+            stream = front.open(method="TrainStep", deadline=time.monotonic() + 10)
             assert stream.submit(payload) is None
             answers = replies(stream, 1)   # without an answer, the test fails, not hangs
             stream.close()
@@ -298,16 +298,16 @@ def test_relay_answers_a_refusal_it_cannot_word(caplog):
             raise ValueError("the step failed")
         return b"ok"
 
-    def refuse(exc, unary):
+    def refuse(exc, method):
         raise RuntimeError("the refusal's wording failed (simulated)")
     learner, front = _started_relay(RelayWork(
-        lambda data, unary: types.SimpleNamespace(bad=bytes(data) == b"bad",
+        lambda data, method: types.SimpleNamespace(bad=bytes(data) == b"bad",
                                                   close=lambda: None), apply, refuse))
     try:
         for payload, want in ((b"bad", (grpc.StatusCode.INTERNAL,
                                         b"ValueError: the step failed")),
                               (b"good", (grpc.StatusCode.OK, b"ok"))):
-            stream = front.open(unary=True, deadline=None)
+            stream = front.open(method="TrainStep", deadline=None)
             assert stream.submit(payload) is None
             assert replies(stream, 1) == [want]
             stream.close()
@@ -365,7 +365,7 @@ def test_relay_reads_frames_however_the_socket_splits_them():
     buffers = BufferPool(2, 64)
     buffers.write(0, b"in the pool")
     learner = RelayLearner(learner_end, buffers, RelayWork(
-        lambda data, unary: types.SimpleNamespace(data=bytes(data), close=lambda: None),
+        lambda data, method: types.SimpleNamespace(data=bytes(data), close=lambda: None),
         lambda job, call: job.data.upper()))
     learner.start()
     rfile = front_end.makefile("rb")
@@ -399,7 +399,7 @@ def _named_jobs_relay(prepare_hook, applied: list, *, buffers: int = 4) -> tuple
     """A started RelayLearner and its RelayFront whose jobs are the requests' bytes:
     ``prepare_hook(name)`` runs in each prepare, ``applied`` collects the steps; and the
     relay's service (:class:`RelayWork`)."""
-    def prepare(data, unary):
+    def prepare(data, method):
         name = bytes(data).decode()
         prepare_hook(name)
         return types.SimpleNamespace(name=name, close=lambda: None)
@@ -422,7 +422,7 @@ def test_relay_an_end_sent_while_a_request_is_prepared_stops_that_request():
             assert ended.wait(10)
     learner, front, service = _named_jobs_relay(hook, applied)
     try:
-        stream = front.open(unary=False, deadline=None)
+        stream = front.open(method="TrainStream", deadline=None)
         assert stream.submit(b"first") is None
         assert replies(stream, 1) == [(grpc.StatusCode.OK, b"first")]
         assert stream.submit(b"slow") is None
@@ -451,7 +451,7 @@ def test_relay_an_end_stops_a_prepared_request_with_others_queued_behind_it():
             assert ended.wait(10)
     learner, front, _ = _named_jobs_relay(hook, applied, buffers=32)
     try:
-        busy, ending = (front.open(unary=False, deadline=None) for _ in range(2))
+        busy, ending = (front.open(method="TrainStream", deadline=None) for _ in range(2))
         for name in [f"a{i}" for i in range(5)] + ["slow"] + [f"b{i}" for i in range(10)]:
             assert (ending if name == "slow" else busy).submit(name.encode()) is None
         sent.set()
@@ -483,16 +483,16 @@ def test_relay_a_call_that_ends_while_its_step_waits_is_not_applied():
         applied.append(job.name)
         return job.name.encode()
     learner, front = _started_relay(RelayWork(
-        lambda data, unary: types.SimpleNamespace(name=bytes(data).decode(),
+        lambda data, method: types.SimpleNamespace(name=bytes(data).decode(),
                                                   close=lambda: None),
-        apply, lambda exc, unary: (grpc.StatusCode.CANCELLED, str(exc))))
+        apply, lambda exc, method: (grpc.StatusCode.CANCELLED, str(exc))))
     try:
-        stream = front.open(unary=False, deadline=None)
+        stream = front.open(method="TrainStream", deadline=None)
         assert stream.submit(b"waits") is None
         assert waiting.wait(10)
         stream.close()   # END, while the step waits
         ended.set()
-        after = front.open(unary=True, deadline=None)
+        after = front.open(method="TrainStep", deadline=None)
         assert after.submit(b"after") is None
         assert replies(after, 1) == [(grpc.StatusCode.OK, b"after")]
         assert applied == ["after"]
@@ -525,7 +525,7 @@ def test_relay_a_front_closed_before_it_is_read_leaves_the_others_serving():
         gone.close()
         gone_end.close()
         learner.attach(gone_end, BufferPool(1, 64))   # cannot even be watched
-        stream = front.open(unary=True, deadline=None)
+        stream = front.open(method="TrainStep", deadline=None)
         assert stream.submit(b"still served") is None
         assert [payload for _, payload in replies(stream, 1)] == [b"still served"]
         stream.close()
@@ -549,7 +549,7 @@ def test_relay_closing_every_front_at_once_is_a_clean_end(caplog):
             learner.attach(mine, pool)
             fronts.append(RelayFront(theirs, pool))
         for front in fronts:
-            front.open(unary=False, deadline=None)
+            front.open(method="TrainStream", deadline=None)
         wait_for(lambda: service.opened == len(fronts))   # every OPEN read
         learner.close()
         assert learner.closed.is_set() and service.opened == service.closed == len(fronts)
@@ -569,7 +569,7 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
     pauses = random.Random(seed), random.Random(-seed)   # prepare's, apply's
     applied: list[bytes] = []
 
-    def prepare(data, unary):
+    def prepare(data, method):
         if pauses[0].random() < 0.2:
             time.sleep(pauses[0].random() * 3e-4)
         return types.SimpleNamespace(data=bytes(data), close=lambda: None)
@@ -596,7 +596,7 @@ def test_relay_answers_each_request_once_in_order_from_concurrent_streams(seed):
     answers: dict[tuple[int, int], list] = {}
 
     def run(f: int, s: int, end_after: int | None) -> None:
-        stream = fronts[f].open(unary=False, deadline=None)
+        stream = fronts[f].open(method="TrainStream", deadline=None)
         for i in range(40 if end_after is None else end_after):
             assert stream.submit(f"f{f}s{s}r{i}".encode()) is None
         if end_after is None:
@@ -641,7 +641,7 @@ def test_relay_that_fails_ends_and_answers_what_it_received(caplog):
         return more
     learner._read = failing_read
     try:
-        stream = front.open(unary=False, deadline=None)
+        stream = front.open(method="TrainStream", deadline=None)
         assert stream.submit(b"first") is None
         assert replies(stream, 1) == [(grpc.StatusCode.OK, b"first")]
         assert stream.submit(b"second") is None   # received by the failing relay, not prepared
@@ -670,7 +670,7 @@ def test_relay_prepares_no_more_jobs_than_the_backend_has_uploads_in_flight():
         return b"ok"
     learner, front = _relay_pair(apply, free)
     try:
-        streams = [front.open(unary=False, deadline=None) for _ in range(4)]
+        streams = [front.open(method="TrainStream", deadline=None) for _ in range(4)]
         for stream in streams:
             for _ in range(25):
                 assert stream.submit(b"x") is None
@@ -689,12 +689,12 @@ def test_stream_ids_wrap_past_the_frames_32_bits_and_skip_open_ones():
     front = RelayFront(front_end, BufferPool(1, 4096))
     try:
         front._last_id = MAX_STREAM_ID - 2
-        held = front.open(unary=False, deadline=None)      # MAX − 1, still open
-        ids = [held.sid] + [front.open(unary=True, deadline=None).sid for _ in range(2)]
+        held = front.open(method="TrainStream", deadline=None)      # MAX − 1, still open
+        ids = [held.sid] + [front.open(method="TrainStep", deadline=None).sid for _ in range(2)]
         for sid in ids[1:]:
             front._streams.pop(sid)                         # those two have ended
         front._last_id = MAX_STREAM_ID - 2
-        again = [front.open(unary=True, deadline=None).sid for _ in range(3)]
+        again = [front.open(method="TrainStep", deadline=None).sid for _ in range(3)]
         assert ids == [MAX_STREAM_ID - 1, MAX_STREAM_ID, 1]
         assert again == [MAX_STREAM_ID, 1, 2]               # MAX − 1 is skipped: still open
     finally:
@@ -872,7 +872,7 @@ def test_a_killed_second_front_leaves_the_first_serving(tmp_path, caplog):
 def test_a_second_front_gone_ends_its_streams_only():
     """The learner end serves several fronts: when one front's connection closes, its open
     streams end (each counted out once), and the other fronts' go on."""
-    service = RelayWork(lambda data, unary: types.SimpleNamespace(close=lambda: None),
+    service = RelayWork(lambda data, method: types.SimpleNamespace(close=lambda: None),
                        lambda job, call: b"ok")
     learner, first = _started_relay(service, BufferPool(32, 4096))
     second_learner_end, second_front_end = socket.socketpair()
@@ -880,10 +880,10 @@ def test_a_second_front_gone_ends_its_streams_only():
     assert learner.attach(second_learner_end, second_buffers) == 1
     second = RelayFront(second_front_end, second_buffers)
     try:
-        open_there = [second.open(unary=False, deadline=None) for _ in range(2)]
+        open_there = [second.open(method="TrainStream", deadline=None) for _ in range(2)]
         assert open_there[0].submit(b"x") is None
         assert replies(open_there[0], 1)[0][0] == grpc.StatusCode.OK
-        here = first.open(unary=False, deadline=None)   # the same stream id on the first
+        here = first.open(method="TrainStream", deadline=None)   # the same stream id on the first
         assert here.sid == open_there[0].sid
         second.close()
         deadline = time.monotonic() + 10
@@ -911,7 +911,7 @@ def test_when_the_first_front_closes_another_fronts_requests_are_answered_unavai
             while not go.wait(0.005):
                 call.is_active()   # reads the frames that come meanwhile
         return job.name.encode()
-    service = RelayWork(lambda data, unary: types.SimpleNamespace(name=bytes(data).decode(),
+    service = RelayWork(lambda data, method: types.SimpleNamespace(name=bytes(data).decode(),
                                                                   close=lambda: None), apply)
     learner, first = _started_relay(service)
     second_end, second_front_end = socket.socketpair()
@@ -919,9 +919,9 @@ def test_when_the_first_front_closes_another_fronts_requests_are_answered_unavai
     learner.attach(second_end, pool)
     second = RelayFront(second_front_end, pool)
     try:
-        assert first.open(unary=True, deadline=None).submit(b"first") is None
+        assert first.open(method="TrainStep", deadline=None).submit(b"first") is None
         assert held.wait(10)
-        other = second.open(unary=False, deadline=None)
+        other = second.open(method="TrainStream", deadline=None)
         assert other.submit(b"other") is None
         deadline = time.monotonic() + 10
         while service.depth < 2:   # received while "first" steps
@@ -1025,9 +1025,9 @@ def test_relay_calls_are_answered_between_steps_and_give_no_buffer_back():
         assert context.is_active() and context.time_remaining() is None
         return grpc.StatusCode.OK, request[::-1]
     learner, front = _started_relay(RelayWork(
-        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply, call=call))
+        lambda data, method: types.SimpleNamespace(close=lambda: None), apply, call=call))
     try:
-        stream = front.open(unary=False, deadline=None)
+        stream = front.open(method="TrainStream", deadline=None)
         for _ in range(4):
             assert stream.submit(b"x") is None
         assert held.wait(10)   # the first step holds; three requests queue behind it
@@ -1074,9 +1074,9 @@ def test_a_relayed_call_past_its_deadline_or_cancelled_is_not_run():
         ran.append(request)
         return grpc.StatusCode.OK, b""
     learner, front = _started_relay(RelayWork(
-        lambda data, unary: types.SimpleNamespace(close=lambda: None), apply, call=call))
+        lambda data, method: types.SimpleNamespace(close=lambda: None), apply, call=call))
     try:
-        stream = front.open(unary=True, deadline=None)
+        stream = front.open(method="TrainStep", deadline=None)
         assert stream.submit(b"x") is None
         assert held.wait(10)
         code, _ = front.call(0, b"late", time.monotonic() + 0.1)   # the step still held
@@ -1132,7 +1132,7 @@ def test_a_stream_is_not_idle_while_a_request_sent_during_the_wait_is_at_the_lea
     front = types.SimpleNamespace(options=types.SimpleNamespace(receive_timeout_s=0.05),
                                   _refuse=lambda context, method, exc: refused.append(exc))
     reader = StreamReader(requests(), inbox, ahead=4, handle=submit)
-    answers = FrontServer._relay_stream(front, stream, reader, None)
+    answers = FrontServer._relay_stream(front, "TrainStream", stream, reader, None)
     threading.Thread(target=lambda: answering.wait(30) and inbox.put(
         (REPLY, (grpc.StatusCode.OK, b"answer"))), daemon=True).start()
     try:

@@ -152,18 +152,19 @@ def test_header_only_calls_without_the_token_hold_nothing(served):
 
 
 def test_calls_that_send_no_request_end_after_the_receive_timeout(served):
-    """With the token: max_rpcs calls that send their headers only, a TrainStream that
-    sends nothing and one that sent a request and then nothing, hold their places no
-    longer than receive_timeout_s: unary calls are cancelled, streams end UNAVAILABLE
-    (the client reopens them); every place is free again."""
+    """With the token: max_rpcs calls that send their headers only, a TrainStream and an
+    InsertStream that send nothing and a TrainStream that sent a request and then nothing,
+    hold their places no longer than receive_timeout_s: unary calls are cancelled, streams
+    end UNAVAILABLE (the client reopens them); every place is free again."""
     release = threading.Event()
     channels = connections(served, MAX_RPCS)
     try:
         unary = [c.stream_unary(f"/{SERVICE_NAME}/GetInfo").future(nothing(release),
                                                                    metadata=GOOD)
-                 for c in channels[:MAX_RPCS - 2]]
-        silent = channels[-2].stream_stream(f"/{SERVICE_NAME}/TrainStream")(
-            nothing(release), metadata=GOOD, timeout=60)
+                 for c in channels[:MAX_RPCS - 3]]
+        silent, silent_insert = (channel.stream_stream(f"/{SERVICE_NAME}/{method}")(
+            nothing(release), metadata=GOOD, timeout=60) for channel, method in
+            zip(channels[-3:-1], ("TrainStream", "InsertStream")))
 
         def one_then_nothing():
             yield step_request()
@@ -172,7 +173,7 @@ def test_calls_that_send_no_request_end_after_the_receive_timeout(served):
                                                               metadata=GOOD, timeout=60)
         assert next(paused).step >= 1
         assert {f.exception(timeout=30).code() for f in unary} == {grpc.StatusCode.CANCELLED}
-        for stream in (silent, paused):
+        for stream in (silent, silent_insert, paused):
             with pytest.raises(grpc.RpcError) as ended:
                 next(stream)   # waits at most receive_timeout_s
             assert (ended.value.code(), ended.value.details()) == (

@@ -214,7 +214,7 @@ def _both(service: LearnerService, data: bytes) -> tuple:
         return parsed
     packed = answer(service, lambda: service.relay_prepare_packed(*read_packed(
         descriptor, memoryview(buffer), buffer.ctypes.data)), True)
-    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), False), False)
+    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), "TrainStream"), False)
     return packed, unpacked
 
 
@@ -295,7 +295,7 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
         learner.start()
         front = RelayFront(front_end, buffers, Packer().pack)
         try:
-            stream = front.open(unary=False, deadline=None)
+            stream = front.open(method="TrainStream", deadline=None)
             for data in requests:
                 assert stream.submit(data) is None
             answers = replies(stream, 3)
@@ -365,7 +365,7 @@ def test_a_request_whose_packing_fails_goes_as_it_came_and_one_that_packs_smalle
         learner.start()
         front = RelayFront(front_end, buffers, pack)
         try:
-            stream = front.open(unary=True, deadline=None)
+            stream = front.open(method="TrainStep", deadline=None)
             assert stream.submit(data) is None
             assert replies(stream, 1) == [(grpc.StatusCode.OK, b"ok")]
             stream.close()

@@ -570,7 +570,7 @@ def test_a_repeated_key_answered_encoded_is_replayed_as_a_message(rng):
     data = encode_batch_wire(random_batch(rng, 8), actor_id="a", seq=1)
     answers = []
     for _ in range(2):
-        with service.relay_prepare(memoryview(data), False) as job:
+        with service.relay_prepare(memoryview(data), "TrainStream") as job:
             answers.append(service.apply_train(job, None, encoded=True))
     first, again = answers
     assert isinstance(first, EncodedTrainResponse) and isinstance(again, pb.TrainResponse)

@@ -5,11 +5,11 @@ own per-message work and the learner's (parse, checks, copy, launch, encode) tak
 turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
 
 * a front process binds the public port and serves health, reflection and the
-  :class:`~duelq.server.gate.Gate` (token, rpc places, receive deadlines).  TrainStep and
-  TrainStream requests go into a shared-memory buffer, their arrays already in the step
-  kernel's input layout where their dtypes and shapes allow (server/fronts/packing.py),
-  else their bytes as they came, and a frame tells the learner process
-  (server/fronts/relay.py).  A stream's requests are read and sent on by a thread of
+  :class:`~duelq.server.gate.Gate` (token, rpc places, receive deadlines).  TrainStep,
+  TrainStream and InsertStream requests go into a shared-memory buffer (a train request's
+  arrays already in the step kernel's input layout where their dtypes and shapes allow,
+  server/fronts/packing.py; else the bytes as they came), and a frame tells the learner
+  process (server/fronts/relay.py).  A stream's requests are read and sent on by a thread of
   their own while its handler writes the answers; up to :data:`STREAM_DEPTH` are at the
   learner while earlier answers go out, and no more are read while that many are unsent:
   a client that does not read its answers is stopped by HTTP/2 flow control, as with
@@ -18,8 +18,8 @@ turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
   Unix socket (no TLS or token: a 0700 directory).  It runs relayed requests through
   the same service code (:class:`RelayedService`).  The small rpcs (``RELAYED_CALLS``:
   Act, GetWeights …) travel whole over the relay too, run between two steps;
-  SaveCheckpoint and the replay buffer's rpcs (InsertStream, TrainReplay,
-  GetReplayInfo) are forwarded to the private socket as raw bytes.  Checkpoints,
+  SaveCheckpoint and the replay buffer's unary rpcs (TrainReplay, GetReplayInfo) are
+  forwarded to the private socket as raw bytes.  Checkpoints,
   idempotency keys, the replay buffer (and its ratio loop) and /metrics live there.
 
 With ``front_processes`` = K > 1, K − 1 more front processes bind the same port
@@ -70,26 +70,25 @@ from duelq.server.core.errors import ReplayTooLarge, ResourceExhausted
 from duelq.server.core.native import stream_copy
 from duelq.server.fronts.packing import Packer
 from duelq.server.fronts.relay import (CLOSED, LEARNER_GONE, QUEUE_FULL, REPLY, BufferPool,
-                                       FrontStream, RelayCall, RelayClosed, RelayFront,
-                                       RelayLearner)
+                                       STREAMED, FrontStream, RelayCall, RelayClosed,
+                                       RelayFront, RelayLearner)
 from duelq.server.fronts.shared import SharedCounts
 from duelq.server.gate import END, FAILED, STOPPED, StreamReader
 from duelq.server.logs import setup_logging
 from duelq.server.server import (SERVICE_NAME, LearnerServer, ServerOptions,
                                  add_health_and_reflection, bind, grpc_server, local_target,
                                  make_gate, set_health)
-from duelq.server.service import (QUEUED_CALLS, RELAYED_CALLS, LearnerService, StreamIdle,
-                                  TrainJob, queue_full, refusal, stream_idle,
+from duelq.server.service import (QUEUED_CALLS, RELAYED_CALLS, InsertJob, LearnerService,
+                                  StreamIdle, TrainJob, queue_full, refusal, stream_idle,
                                   too_many_streams)
 from duelq.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-TRAIN = ("TrainStep", "TrainStream")
 #: The unary rpcs passed to the learner process (relayed or forwarded, :meth:`_forward`);
-#: InsertStream, the other stream, is forwarded by a handler of its own.
+#: the others' requests go through the relay as a stream's (relay.STREAMED).
 FORWARDED = tuple(name for name in pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name
-                  if name not in TRAIN + ("InsertStream",))
+                  if name not in STREAMED)
 START_TIMEOUT_S = 600.0   # building a cuda backend compiles kernels
 STOP_TIMEOUT_S = 300.0    # draining and the final checkpoint
 FRONT_START_TIMEOUT_S = 60.0
@@ -176,15 +175,6 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
     return None if left is None or left > 1e6 else time.monotonic() + left
 
 
-def _until_cancelled(requests: Iterator[bytes]) -> Iterator[bytes]:
-    """``requests``, ending quietly where their call was cancelled (the inner call it feeds
-    is cancelled too); grpc would log the failed read as an error."""
-    try:
-        yield from requests
-    except grpc.RpcError:
-        return
-
-
 def _time_left(context: grpc.ServicerContext) -> float | None:
     """The timeout of a call made on behalf of ``context``: its deadline carries over."""
     deadline = _deadline(context)
@@ -215,8 +205,8 @@ class FrontServer:
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._forward(name))
                     for name in FORWARDED}
         handlers["TrainStep"] = grpc.unary_unary_rpc_method_handler(self._train_step)
-        handlers["TrainStream"] = grpc.stream_stream_rpc_method_handler(self._train_stream)
-        handlers["InsertStream"] = grpc.stream_stream_rpc_method_handler(self._insert_stream)
+        for name in ("TrainStream", "InsertStream"):
+            handlers[name] = grpc.stream_stream_rpc_method_handler(self._stream_handler(name))
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self.health = add_health_and_reflection(self._server)
@@ -226,7 +216,6 @@ class FrontServer:
         self._relay: RelayFront | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
-        self._insert: grpc.StreamStreamMultiCallable | None = None
         self._process = None
         self._conn = None
         self._buffers: BufferPool | None = None
@@ -305,14 +294,13 @@ class FrontServer:
 
     def _connect(self, sock: socket.socket, buffers: BufferPool) -> None:
         """Relay train requests and the small rpcs over ``sock`` (requests in ``buffers``)
-        and forward the others (SaveCheckpoint, the replay buffer's) to the learner
-        process's private socket."""
+        and forward the others (SaveCheckpoint, the replay buffer's unary ones) to the
+        learner process's private socket."""
         size = self.options.max_message_bytes
         self._channel = grpc.insecure_channel(f"unix:{self._dir / LEARNER_SOCKET}", options=[
             ("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)])
         self._calls = {name: self._channel.unary_unary(f"/{SERVICE_NAME}/{name}")
                        for name in FORWARDED}
-        self._insert = self._channel.stream_stream(f"/{SERVICE_NAME}/InsertStream")
         self._relay = RelayFront(sock, buffers, Packer(stream_copy()).pack)
         self._relay.on_close = self._learner_gone
 
@@ -464,12 +452,12 @@ class FrontServer:
                           "retry with the same keys")
         context.abort(grpc.StatusCode.CANCELLED, "the call ended")   # closed: it is over
 
-    def _open(self, context: grpc.ServicerContext, *, unary: bool) -> FrontStream:
+    def _open(self, context: grpc.ServicerContext, method: str) -> FrontStream:
         relay = self._relay
         try:
             if relay is None:
                 raise RelayClosed(_STARTING)
-            stream = relay.open(unary=unary, deadline=_deadline(context),
+            stream = relay.open(method=method, deadline=_deadline(context),
                                 queue_places=self._queue_places)
         except RelayClosed as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -480,7 +468,7 @@ class FrontServer:
         return stream
 
     def _train_step(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        stream = self._open(context, unary=True)
+        stream = self._open(context, "TrainStep")
         try:
             why = stream.submit(request)
             if why is not None:
@@ -492,24 +480,28 @@ class FrontServer:
         finally:
             stream.close()
 
-    def _train_stream(self, requests: Iterator[bytes],
-                      context: grpc.ServicerContext) -> Iterator[bytes]:
-        if not self._stream_places.take():
-            self._refuse(context, "TrainStream",
-                         ResourceExhausted(too_many_streams(self.options.max_streams)))
-        try:
-            stream = self._open(context, unary=False)
-            reader = StreamReader(requests, stream.inbox, ahead=STREAM_DEPTH,
-                                  handle=stream.submit)
+    def _stream_handler(self, method: str):
+        """The handler of stream ``method`` (TrainStream, InsertStream): its requests go
+        to the learner through the relay, holding one of the server's stream places."""
+        def handler(requests: Iterator[bytes], context: grpc.ServicerContext
+                    ) -> Iterator[bytes]:
+            if not self._stream_places.take():
+                self._refuse(context, method,
+                             ResourceExhausted(too_many_streams(self.options.max_streams)))
             try:
-                yield from self._relay_stream(stream, reader, context)
+                stream = self._open(context, method)
+                reader = StreamReader(requests, stream.inbox, ahead=STREAM_DEPTH,
+                                      handle=stream.submit)
+                try:
+                    yield from self._relay_stream(method, stream, reader, context)
+                finally:
+                    reader.close()
+                    stream.close()
             finally:
-                reader.close()
-                stream.close()
-        finally:
-            self._stream_places.give_back()
+                self._stream_places.give_back()
+        return handler
 
-    def _relay_stream(self, stream: FrontStream, reader: StreamReader,
+    def _relay_stream(self, method: str, stream: FrontStream, reader: StreamReader,
                       context: grpc.ServicerContext) -> Iterator[bytes]:
         """Yield the answers of the requests ``reader`` sends to the learner, in order.  A
         refusal ends the stream once the answers before it are out; no request is sent
@@ -525,7 +517,7 @@ class FrontServer:
             except queue.Empty:   # the reader may have sent one since the wait began
                 if answered < reader.handled:
                     continue
-                self._refuse(context, "TrainStream", StreamIdle(stream_idle(timeout)))
+                self._refuse(context, method, StreamIdle(stream_idle(timeout)))
             if kind == REPLY:
                 answered += 1
                 yield _reply_payload(context, *item)   # a refusal ends the stream here
@@ -539,7 +531,7 @@ class FrontServer:
             elif kind in (FAILED, CLOSED):   # the call was cancelled or has ended
                 return
         if unsent is not None:
-            self._not_sent(context, "TrainStream", unsent)
+            self._not_sent(context, method, unsent)
 
     def _forward(self, name: str):
         """A handler passing ``name``'s request bytes to the learner process and back: over
@@ -575,29 +567,6 @@ class FrontServer:
             except grpc.RpcError as exc:
                 context.abort(exc.code(), exc.details())
         return forward
-
-    def _insert_stream(self, requests: Iterator[bytes],
-                       context: grpc.ServicerContext) -> Iterator[bytes]:
-        """InsertStream, forwarded to the learner process's private socket: the requests'
-        bytes go on as they arrive and the answers come back, the stream holding one of the
-        server's stream places meanwhile (TrainStream's limit, as with one process)."""
-        insert = self._insert
-        if insert is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-        if not self._stream_places.take():
-            self._refuse(context, "InsertStream",
-                         ResourceExhausted(too_many_streams(self.options.max_streams)))
-        try:
-            call = insert(_until_cancelled(requests), timeout=_time_left(context))
-            if not context.add_callback(call.cancel):   # over already
-                call.cancel()
-            try:
-                yield from call
-            except grpc.RpcError as exc:
-                context.abort(exc.code(), exc.details())
-        finally:
-            self._stream_places.give_back()
-
 
 # ── the learner process ──────────────────────────────────────────────────────────────
 
@@ -742,22 +711,23 @@ class RelayedService:
         self._service, self._metrics = service, metrics
         self._relayed: list = []   # duelq_relayed_requests of each front, by index
 
-    def prepare(self, request: memoryview, unary: bool) -> TrainJob:
-        return self._service.relay_prepare(request, unary)
+    def prepare(self, request: memoryview, method: str) -> TrainJob | InsertJob:
+        return self._service.relay_prepare(request, method)
 
     def prepare_packed(self, packed: PackedBatch, key: bytes) -> TrainJob:
         return self._service.relay_prepare_packed(packed, key)
 
-    def apply(self, job: TrainJob, call: RelayCall) -> bytes:
+    def apply(self, job: TrainJob | InsertJob, call: RelayCall) -> bytes:
+        if type(job) is InsertJob:
+            return self._service.apply_insert(job, call).SerializeToString()
         response = self._service.apply_train(job, call, encoded=True)
         if self._metrics is not None:   # the latency from the request's arrival here
             self._metrics.observe_answer(response, call.arrived)
         return response.SerializeToString()
 
-    def refusal(self, exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
-        name = "TrainStep" if unary else "TrainStream"
-        code, details = refusal(exc, name, "relay")
-        self.front_refused(name, code.name)
+    def refusal(self, exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+        code, details = refusal(exc, method, "relay")
+        self.front_refused(method, code.name)
         return code, details
 
     def call(self, method: int, request: bytes, call: RelayCall

@@ -6,7 +6,7 @@ encode) no longer share one GIL.  Request bytes travel through a pool of shared-
 buffers (a memfd, so Docker's 64 MiB /dev/shm is no limit); a Unix socket pair per front
 carries fixed-size frames:
 
-    front → learner   OPEN  stream, unary flag
+    front → learner   OPEN  stream, method (an index into STREAMED)
                       PACKED  stream, buffer, size, deadline, then the descriptor (size
                             bytes): the buffer holds the request's arrays, packed by the
                             front (server/fronts/packing.py)
@@ -21,7 +21,8 @@ carries fixed-size frames:
                       size, then the payload (the response's bytes, or the error details
                       as UTF-8)
 
-PACKED is the usual request.  REQ stays for the requests a front cannot pack, which the
+PACKED is the usual train request.  REQ stays for the requests a front cannot pack (an
+InsertStream's rows go as they came; the learner parses them), which the
 learner process must see as they came: those it will refuse (so the one service code
 words the refusal, in its order of checks: drain and key before the arrays), those in a
 wire form that needs converting (non-canonical framing, uint8 actions, bool dones,
@@ -66,6 +67,11 @@ from duelq.server.gate import Tally
 log = logging.getLogger(__name__)
 
 OPEN, REQ, END, REFUSED, PACKED, CALL = 1, 2, 3, 4, 5, 6
+#: The rpcs whose requests go through the relay as a stream's (OPEN names one by index);
+#: only train requests are packed.
+STREAMED = ("TrainStream", "TrainStep", "InsertStream")
+PACKABLE = ("TrainStream", "TrainStep")
+OPEN_STREAMS = ("TrainStream", "InsertStream")   # counted as open streams
 _FRAME = struct.Struct("<BxxxIiId")     # op, stream, buffer, size, deadline (0: none)
 _REPLY = struct.Struct("<IiII")         # stream, buffer, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -158,8 +164,8 @@ class FrontStream:
     order (the handler may put its own items there too, gate.StreamReader's)."""
 
     def __init__(self, relay: "RelayFront", sid: int, deadline: float | None,
-                 queue_places: Tally | None):
-        self._relay, self.sid = relay, sid
+                 queue_places: Tally | None, packable: bool = True):
+        self._relay, self.sid, self._packable = relay, sid, packable
         self._deadline = deadline or 0.0
         self._queue = queue_places   # None: not counted
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -188,7 +194,8 @@ class FrontStream:
                 self._answered()
                 return STREAM_CLOSED
             try:
-                self._relay.send_request(self.sid, buffer, data, self._deadline)
+                self._relay.send_request(self.sid, buffer, data, self._deadline,
+                                         self._packable)
             except RelayClosed:
                 self._answered()
                 return LEARNER_GONE
@@ -279,15 +286,17 @@ class RelayFront:
                                         daemon=True)
         self._reader.start()
 
-    def open(self, *, unary: bool, deadline: float | None,
+    def open(self, *, method: str, deadline: float | None,
              queue_places: Tally | None = None) -> FrontStream:
-        """A new stream; ``queue_places``: the server's ``max_queue`` places, one held
-        while any of its requests is at the learner (None: not counted)."""
+        """A new stream of ``method``'s requests (one of :data:`STREAMED`; TrainStep's holds
+        its one request); ``queue_places``: the server's ``max_queue`` places, one held while
+        any of its requests is at the learner (None: not counted)."""
         with self._ids_lock:
             sid = self._new_id()
-            stream = self._streams[sid] = FrontStream(self, sid, deadline, queue_places)
+            stream = self._streams[sid] = FrontStream(self, sid, deadline, queue_places,
+                                                      method in PACKABLE)
         try:
-            self._send(_FRAME.pack(OPEN, sid, int(unary), 0, 0.0))
+            self._send(_FRAME.pack(OPEN, sid, STREAMED.index(method), 0, 0.0))
         except RelayClosed:
             self._streams.pop(sid, None)
             raise
@@ -351,9 +360,10 @@ class RelayFront:
     def give_back(self, buffer: int) -> None:
         self._free.put(buffer)
 
-    def send_request(self, sid: int, buffer: int, data: bytes, deadline: float) -> None:
+    def send_request(self, sid: int, buffer: int, data: bytes, deadline: float,
+                     packable: bool = True) -> None:
         descriptor = None
-        if self._pack is not None:
+        if packable and self._pack is not None:
             try:
                 descriptor = self._pack(data, self.buffers.array(buffer),
                                         self.buffers.address(buffer))
@@ -469,17 +479,18 @@ class RelayService(Protocol):
     """What the relay asks of the learner process (front.py's ``RelayedService``): the
     service's work on each request, and what the metrics count."""
 
-    def prepare(self, request: memoryview, unary: bool) -> Job:
-        """Check a request sent as it came and start its copy to the device; raises to
-        refuse it."""
+    def prepare(self, request: memoryview, method: str) -> Job:
+        """Check a request of ``method`` (:data:`STREAMED`) sent as it came and start its
+        copy to the device; raises to refuse it."""
 
     def prepare_packed(self, packed: PackedBatch, key: bytes) -> Job:
         """The same for a request the front packed (its key's wire bytes given)."""
 
     def apply(self, job: Job, call: RelayCall) -> bytes:
-        """Step a prepared request: the response's bytes; raises to refuse it."""
+        """Apply a prepared request (step, or insert): the response's bytes; raises to
+        refuse it."""
 
-    def refusal(self, exc: Exception, unary: bool) -> tuple[grpc.StatusCode, str]:
+    def refusal(self, exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
         """The status code and details a refusal is answered with."""
 
     def call(self, method: int, request: bytes, call: RelayCall
@@ -487,7 +498,7 @@ class RelayService(Protocol):
         """Run a small rpc relayed whole: (code, the response's bytes or the details)."""
 
     def received(self, front: int) -> None:
-        """A train request came from front ``front``."""
+        """A streamed request came from front ``front``."""
 
     def answered(self) -> None:
         """A train request was answered."""
@@ -512,10 +523,11 @@ class _Front:
 
 
 class _LearnerStream:
-    __slots__ = ("front", "sid", "unary", "outstanding", "ended", "failed")
+    __slots__ = ("front", "sid", "method", "outstanding", "ended", "failed")
 
-    def __init__(self, front: _Front, sid: int, unary: bool):
-        self.front, self.sid, self.unary = front, sid, unary
+    def __init__(self, front: _Front, sid: int, method: str):
+        self.front, self.sid, self.method = front, sid, method   # a CALL's: ""
+
         self.outstanding = 0            # requests received, not answered
         self.ended = False              # its front ended it: nothing more of it is applied
         self.failed: tuple[grpc.StatusCode, bytes] | None = None   # every later answer
@@ -759,14 +771,14 @@ class RelayLearner:
                                   front.buffers.buffer(buffer, front.buffers.size),
                                   deadline, payload)
                 elif op == OPEN:
-                    self._open(front, sid, unary=bool(buffer))
+                    self._open(front, sid, buffer)
                 elif op == REQ:
                     self._enqueue(front, sid, buffer, front.buffers.buffer(buffer, n)
                                   if buffer >= 0 else memoryview(payload), deadline)
                 elif op == END:
                     self._end(front, sid)
                 elif op == CALL:   # an END (a cancel) may follow: a stream of its own
-                    stream = self._streams[front.index, sid] = _LearnerStream(front, sid, True)
+                    stream = self._streams[front.index, sid] = _LearnerStream(front, sid, "")
                     self._calls.append((stream, buffer, payload, deadline))
                 elif op == REFUSED:
                     method, _, code = payload.decode().rpartition(" ")
@@ -798,16 +810,20 @@ class RelayLearner:
 
     # ── streams ─────────────────────────────────────────────────────────────────────
 
-    def _open(self, front: _Front, sid: int, unary: bool) -> None:
-        if not unary:
+    def _open(self, front: _Front, sid: int, method: int) -> None:
+        if not 0 <= method < len(STREAMED):   # a front bug: its requests are answered so
+            log.error("front process %d opened stream %d of unknown method %d",
+                      front.index + 1, sid, method)
+            return                            # (an unknown stream's)
+        if STREAMED[method] in OPEN_STREAMS:
             self._service.stream_opened()
-        self._streams[front.index, sid] = _LearnerStream(front, sid, unary)
+        self._streams[front.index, sid] = _LearnerStream(front, sid, STREAMED[method])
 
     def _enqueue(self, front: _Front, sid: int, buffer: int, data: memoryview,
                  deadline: float, packed: bytes | None = None) -> None:
         stream = self._streams.get((front.index, sid))
         if stream is None:   # not open (a front bug): answer, so its buffer comes back
-            self._reply(_LearnerStream(front, sid, False), buffer, grpc.StatusCode.CANCELLED,
+            self._reply(_LearnerStream(front, sid, ""), buffer, grpc.StatusCode.CANCELLED,
                         b"unknown stream; not applied")
             return
         self._service.received(front.index)
@@ -831,7 +847,7 @@ class RelayLearner:
         key = (stream.front.index, stream.sid)
         if self._streams.get(key) is stream:
             del self._streams[key]
-            if not stream.unary:
+            if stream.method in OPEN_STREAMS:
                 self._service.stream_closed()
 
     # ── requests ────────────────────────────────────────────────────────────────────
@@ -843,7 +859,7 @@ class RelayLearner:
         stream = item.stream
         if stream.failed is None and not stream.ended:
             try:
-                item.job = (self._service.prepare(item.data, stream.unary)
+                item.job = (self._service.prepare(item.data, stream.method)
                             if item.packed is None else
                             self._service.prepare_packed(*read_packed(
                                 item.packed, item.data,
@@ -897,7 +913,7 @@ class RelayLearner:
             return grpc.StatusCode.OK, self._service.apply(item.job, call)
         except Exception as exc:  # noqa: BLE001 — every refusal is answered
             try:
-                code, details = self._service.refusal(exc, stream.unary)
+                code, details = self._service.refusal(exc, stream.method)
             except Exception:  # noqa: BLE001 — still answered, so the front's buffer comes back
                 log.exception("wording the refusal of a request of stream %d failed",
                               stream.sid)
