@@ -108,7 +108,7 @@ class Watchdog:
         self.timeout_s = timeout_s
         self._armed: OrderedDict[int, tuple[float, grpc.ServicerContext, str]] = OrderedDict()
         self._ids = itertools.count()
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())   # not an RLock: cheaper per call
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -166,6 +166,9 @@ class Gate(grpc.ServerInterceptor):
         self._on_refuse = on_refuse
         self._self_timed = frozenset(self_timed)
         self.watchdog = Watchdog(receive_timeout_s)
+        # method path -> (grpc's handler, the admitted wrapper of it): built once per method,
+        # not per call (the wrapper depends on nothing else)
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -182,7 +185,10 @@ class Gate(grpc.ServerInterceptor):
             return self._refusal(handler, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"too many concurrent health checks (limit {HEALTH_RPCS})"
                                  if health else too_many_rpcs(places.limit))
-        return self._admitted(handler, method, places)
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, self._admitted(handler, method, places))
+        return cached[1]
 
     def admits(self, value: str | bytes) -> bool:
         """Whether an authorization header's ``value`` carries the token: ``Bearer <token>``,

@@ -55,12 +55,19 @@ class PackedBatch:
         return Batch(h_t, h_tp1, actions, *vectors)
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}   # dtype.name is a Python property in NumPy: cached
+
+
 def _array(name: str, value, dtypes: tuple[str, ...]) -> np.ndarray:
     """``value`` when it is a numpy array of one of ``dtypes`` (names, FIELD_DTYPES')."""
     if not isinstance(value, np.ndarray):
         raise InvalidArgument(name, f"must be a numpy array, got {type(value).__name__}")
-    if value.dtype.name not in dtypes:
-        raise InvalidArgument(name, wrong_dtype(dtypes, value.dtype.name))
+    dtype = value.dtype
+    got = _DTYPE_NAMES.get(dtype)
+    if got is None:
+        got = _DTYPE_NAMES.setdefault(dtype, dtype.name)
+    if got not in dtypes:
+        raise InvalidArgument(name, wrong_dtype(dtypes, got))
     return value
 
 

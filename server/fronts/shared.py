@@ -3,8 +3,8 @@
 ``--max-rpcs``, ``--max-streams`` and ``--max-queue`` bound what the whole server holds,
 whichever front a connection landed on.  :class:`SharedCounts` keeps one row per front
 in a small file of the private directory, mapped by every front: a front changes only its
-own row, under an exclusive ``flock`` of the file, and admits one more only if the sum
-over the rows stays within the limit.  The kernel drops a dead process's ``flock``, so
+own row, and admits one more only if the sum over the rows stays within the limit, the
+check and the increment under an exclusive ``flock`` of the file (a give-back needs none).  The kernel drops a dead process's ``flock``, so
 no lock outlives its holder, and the first front clears the row of a front that died
 (its calls went with it).
 """
@@ -59,14 +59,31 @@ class SharedCounts:
         width = len(COLUMNS)
         return sum(self._cells[f * width + column] for f in range(self._fronts))
 
-    def _change(self, column: int, by: int, limit: int | None) -> bool:
-        """Add ``by`` to this front's ``column``, unless the sum would pass ``limit`` (or the
-        counts are closed: the front has stopped)."""
-        with self._locked():
-            if self._closed or limit is not None and self._sum(column) + by > limit:
+    def _take(self, column: int, limit: int) -> bool:
+        """Add one to this front's ``column`` unless the server-wide sum is at ``limit`` (or
+        the counts are closed: the front has stopped).  The check and the increment hold the
+        file's ``flock``, so two fronts cannot both take the last place."""
+        with self._lock:
+            if self._closed:
                 return False
-            self._cells[self.index * len(COLUMNS) + column] += by
-            return True
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                if self._sum(column) >= limit:
+                    return False
+                self._cells[self.index * len(COLUMNS) + column] += 1
+                return True
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _give_back(self, column: int) -> None:
+        """Take one off this front's ``column``.  No ``flock``: only this process writes its
+        row (its threads under ``_lock``), and an aligned 8-byte store is seen whole by the
+        others; a front summing meanwhile sees the count before or after, as if the
+        give-back came just after or before its check (a decrement never lets a take pass
+        the limit)."""
+        with self._lock:
+            if not self._closed:
+                self._cells[self.index * len(COLUMNS) + column] -= 1
 
     def total(self, column: str) -> int:
         """The server-wide count of ``column``."""
@@ -94,7 +111,7 @@ class SharedTally:
         self._counts, self._column, self.limit = counts, column, limit
 
     def take(self) -> bool:
-        return self._counts._change(self._column, 1, self.limit)
+        return self._counts._take(self._column, self.limit)
 
     def give_back(self) -> None:
-        self._counts._change(self._column, -1, None)
+        self._counts._give_back(self._column)
