@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ab_flags.sh — server settings against each other, alternated on one host: for each of
-# ROUNDS rounds, every configuration in turn is started, benched with `duelq bench
-# --target` (B = $BATCH, $ACTORS actors, TrainStream float32 and float16 plus unary, the
+# ROUNDS rounds, every configuration in turn (every other round in reverse order) is
+# started, benched with `duelq bench --target` (B = $BATCH, $ACTORS actors, TrainStream float32 and float16 plus unary, the
 # byte-stream echo served by $FRONTS processes as the ceiling) and stopped.
 #
 #   [ROUNDS=3] [FRONTS=8] [ACTORS=8] [DURATION=3] [BATCH=1024] scripts/ab_flags.sh NAME="FLAGS" …
@@ -24,7 +24,11 @@ CLI=${CLI:-duelq.apps.cli}
 PORT=50093
 status=0
 for round in $(seq "${ROUNDS:-3}"); do
-    for spec in "$@"; do
+    order=("$@")   # every other round in reverse (A B, B A, …): neither runs always first
+    if (( round % 2 == 0 )); then
+        order=() && for (( i = $#; i > 0; i-- )); do order+=("${!i}"); done
+    fi
+    for spec in "${order[@]}"; do
         name=${spec%%=*} flags=${spec#*=} serve_path=${PYTHONPATH:-} serve_cli=$CLI
         if [[ $flags == tree:* ]]; then
             tree=${flags%% *} tree=${tree#tree:} flags=${flags#tree:"$tree"}
