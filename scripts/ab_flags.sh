@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ab_flags.sh — server settings against each other, alternated on one host: for each of
 # ROUNDS rounds, every configuration in turn (every other round in reverse order) is
-# started, benched with `duelq bench --target` (B = $BATCH, $ACTORS actors, TrainStream float32 and float16 plus unary, the
-# byte-stream echo served by $FRONTS processes as the ceiling) and stopped.
+# started, benched with `duelq bench --target` (B = $BATCH, $ACTORS actors, TrainStream
+# float32 and float16 plus unary, the byte-stream echo served by $FRONTS processes as the
+# ceiling) and stopped.
 #
 #   [ROUNDS=3] [FRONTS=8] [ACTORS=8] [DURATION=3] [BATCH=1024] scripts/ab_flags.sh NAME="FLAGS" …
 #
