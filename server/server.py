@@ -89,7 +89,8 @@ class ServerOptions:
     it RESOURCE_EXHAUSTED."""
     receive_timeout_s: float = 30.0
     """Seconds a call may take to send a request the server waits for: past it a unary
-    call is cancelled, a TrainStream with no request in flight ends UNAVAILABLE."""
+    call is cancelled, a TrainStream or InsertStream with no request in flight ends
+    UNAVAILABLE."""
     token: str = ""
     """If set, every rpc but health (reflection too) needs metadata ``authorization: Bearer
     <token>``."""
