@@ -259,19 +259,25 @@ def encoded_train_response(result: StepResult, key: bytes) -> EncodedTrainRespon
     path's; tests hold it byte-equal to ``train_response(...).SerializeToString()``."""
     td = np.ascontiguousarray(result.td_errors, np.float32)          # [B]
     priorities = np.ascontiguousarray(result.priorities, np.float32)  # [B]
-    parts = [_double_field(b"\x09", result.loss)]
-    for number, vector in ((2, td), (3, priorities)):
-        parts.append(tensor_head(number, pb.DTYPE_FLOAT32, vector.shape, vector.nbytes))
-        if vector.nbytes:
-            parts.append(memoryview(vector).cast("B"))
-    parts += (_double_field(b"\x21", result.q_taken_mean),
-              _double_field(b"\x29", result.grad_norm),
-              b"\x30" + varint(result.step) if result.step else b"",
-              b"\x38" + varint(result.version) if result.version else b"")
+    step = varint(result.step)   # the version is the step: one varint for both
+    version = step if result.version == result.step else varint(result.version)
+    parts = [_double_field(b"\x09", result.loss),
+             _float32_head(2, td.shape, td.nbytes), td,
+             _float32_head(3, priorities.shape, priorities.nbytes), priorities,
+             _double_field(b"\x21", result.q_taken_mean),
+             _double_field(b"\x29", result.grad_norm),
+             b"\x30" + step if result.step else b"",
+             b"\x38" + version if result.version else b""]
     if result.entropy is not None:   # optional: present even when 0
         parts.append(b"\x41" + _DOUBLE.pack(result.entropy))
     parts += (b"\x4a", varint(len(key)), key)   # the key is always set
     return EncodedTrainResponse(b"".join(parts), result.step, result.loss, td.shape[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _float32_head(number: int, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """:func:`tensor_head` of a float32 field, the same for every step of one batch size."""
+    return tensor_head(number, pb.DTYPE_FLOAT32, shape, nbytes)
 
 
 def _double_field(tag: bytes, value: float) -> bytes:
