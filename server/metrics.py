@@ -226,4 +226,16 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                     m.active_streams.dec()
             return grpc.stream_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer)
+
+        if handler.stream_stream:   # InsertStream: its refusals only
+            inner_other = handler.stream_stream
+
+            def counted(request_iterator, context) -> Iterator:
+                try:
+                    yield from inner_other(request_iterator, context)
+                except Exception as exc:
+                    refused(context, exc)
+                    raise
+            return grpc.stream_stream_rpc_method_handler(
+                counted, handler.request_deserializer, handler.response_serializer)
         return handler

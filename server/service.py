@@ -196,8 +196,8 @@ _REQUESTS = {name: getattr(pb, pb.DESCRIPTOR.services_by_name["Learner"].methods
 
 
 def too_many_streams(limit: int) -> str:
-    """What the server says to a TrainStream past ``max_streams``, in every server model."""
-    return f"too many concurrent TrainStreams (limit {limit})"
+    """What the server says to a stream past ``max_streams``, in every server model."""
+    return f"too many concurrent streams, TrainStreams and InsertStreams (limit {limit})"
 
 
 def queue_full(limit: int) -> str:

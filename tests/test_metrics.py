@@ -68,6 +68,23 @@ def test_metrics_count_steps_transitions_refusals_and_slots(metered, tmp_path):
     assert 0 <= scrape(port)[("duelq_checkpoint_age_seconds", ())] < 60
 
 
+@pytest.mark.parametrize("fronts", [0, 1], ids=["one-process", "a-front-process"])
+def test_an_insert_stream_counts_its_refusal_and_no_train_figures(make_server, fronts):
+    """Both server models count an InsertStream's refusal, and neither counts it among the
+    train requests' queue depth and open TrainStreams."""
+    port = free_port()
+    server = make_server(metrics_port=port, front_processes=fronts)   # no replay buffer
+    request = pb.InsertStreamRequest(key=pb.RequestKey(actor_id="a", seq=1))
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.LearnerStub(channel).InsertStream(iter([request]), timeout=30))
+    code = refused.value.code().name
+    m = scrape(port)
+    assert m[("duelq_refused_requests_total", (("code", code), ("method", "InsertStream")))] == 1
+    assert m[("duelq_queue_depth", ())] == 0
+    assert m[("duelq_active_streams", ())] == 0
+
+
 def test_a_replayed_batch_is_not_counted_as_a_step(metered):
     server, port = metered
     stub = pb_grpc.LearnerStub(grpc.insecure_channel(server.target))

@@ -280,7 +280,7 @@ def test_fronts_count_an_insert_stream_against_max_streams(make_server):
     held = s.InsertStream(iter(feed.get, None))
     feed.put(insert_request(rows(rng, 2), "actor-h", 1))
     assert next(held).size == 2   # open, holding the one place
-    limit = "too many concurrent TrainStreams (limit 1)"
+    limit = "too many concurrent streams, TrainStreams and InsertStreams (limit 1)"
     assert refusal(s.InsertStream, iter([insert_request(rows(rng, 2))])) == (
         grpc.StatusCode.RESOURCE_EXHAUSTED, limit)
     assert refusal(s.TrainStream, iter([])) == (grpc.StatusCode.RESOURCE_EXHAUSTED, limit)

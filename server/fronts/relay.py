@@ -67,11 +67,11 @@ from duelq.server.gate import Tally
 log = logging.getLogger(__name__)
 
 OPEN, REQ, END, REFUSED, PACKED, CALL = 1, 2, 3, 4, 5, 6
-#: The rpcs whose requests go through the relay as a stream's (OPEN names one by index);
-#: only train requests are packed.
+#: The rpcs whose requests go through the relay as a stream's (OPEN names one by index).
+#: Only train requests are packed, and only they count in the train metrics (queue depth,
+#: open TrainStreams, each front's relayed requests), as with one process.
 STREAMED = ("TrainStream", "TrainStep", "InsertStream")
-PACKABLE = ("TrainStream", "TrainStep")
-OPEN_STREAMS = ("TrainStream", "InsertStream")   # counted as open streams
+TRAIN = ("TrainStream", "TrainStep")
 _FRAME = struct.Struct("<BxxxIiId")     # op, stream, buffer, size, deadline (0: none)
 _REPLY = struct.Struct("<IiII")         # stream, buffer, status code value, size
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -294,7 +294,7 @@ class RelayFront:
         with self._ids_lock:
             sid = self._new_id()
             stream = self._streams[sid] = FrontStream(self, sid, deadline, queue_places,
-                                                      method in PACKABLE)
+                                                      method in TRAIN)
         try:
             self._send(_FRAME.pack(OPEN, sid, STREAMED.index(method), 0, 0.0))
         except RelayClosed:
@@ -498,7 +498,7 @@ class RelayService(Protocol):
         """Run a small rpc relayed whole: (code, the response's bytes or the details)."""
 
     def received(self, front: int) -> None:
-        """A streamed request came from front ``front``."""
+        """A train request came from front ``front``."""
 
     def answered(self) -> None:
         """A train request was answered."""
@@ -815,7 +815,7 @@ class RelayLearner:
             log.error("front process %d opened stream %d of unknown method %d",
                       front.index + 1, sid, method)
             return                            # (an unknown stream's)
-        if STREAMED[method] in OPEN_STREAMS:
+        if STREAMED[method] == "TrainStream":
             self._service.stream_opened()
         self._streams[front.index, sid] = _LearnerStream(front, sid, STREAMED[method])
 
@@ -826,7 +826,8 @@ class RelayLearner:
             self._reply(_LearnerStream(front, sid, ""), buffer, grpc.StatusCode.CANCELLED,
                         b"unknown stream; not applied")
             return
-        self._service.received(front.index)
+        if stream.method in TRAIN:
+            self._service.received(front.index)
         stream.outstanding += 1
         self._received.append(_Item(stream, buffer, data, deadline, packed))
 
@@ -847,7 +848,7 @@ class RelayLearner:
         key = (stream.front.index, stream.sid)
         if self._streams.get(key) is stream:
             del self._streams[key]
-            if stream.method in OPEN_STREAMS:
+            if stream.method == "TrainStream":
                 self._service.stream_closed()
 
     # ── requests ────────────────────────────────────────────────────────────────────
@@ -895,7 +896,8 @@ class RelayLearner:
         stream = item.stream
         stream.outstanding -= 1
         self._reply(stream, item.buffer, code, payload)
-        self._service.answered()
+        if stream.method in TRAIN:
+            self._service.answered()
         if stream.ended and not stream.outstanding:
             self._finish(stream)
 
