@@ -481,16 +481,16 @@ def test_entropy_many_actions_matches_reference(N):
         assert_scalar("ema", ema, want_ema, rtol=1e-6, atol=2e-6)
 
 
-def test_epoch_wraparound_changes_nothing():
-    """Steps and entropy calls across the 32-bit epoch wrap (tagged buffers zeroed, count
-    restarted) give bit for bit what the same calls give far from it."""
+def test_the_epoch_restart_changes_nothing():
+    """Steps and entropy calls across the epoch restart at 2^30 (tagged buffers and barrier
+    flags zeroed, count restarted) give bit for bit what the same calls give far from it."""
     config = LearnerConfig(hidden_dim=64, n_actions=11, max_grad_norm=1.0, step_entropy_slot=SLOT)
     rng = np.random.default_rng(8)
     start = random_state(config, rng, 0)
     batches = [random_batch(rng, 4096, config, start, True) for _ in range(4)]
     actions = rng.integers(0, 11, 20000).astype(np.int32)
     runs = []
-    for epoch in (1, 0xFFFFFFFF - 4):
+    for epoch in (1, (1 << 30) - 4):
         backend = cuda_backend(config, start)
         backend._epoch = epoch
         outs = []

@@ -225,6 +225,22 @@ def test_runs_are_deterministic_and_do_not_depend_on_their_length(case):
     assert len(run.losses) == 70 and np.isfinite(run.losses).all()
 
 
+def test_the_barrier_targets_restart_without_changing_anything():
+    """Before the grid-barrier targets pass 2^30 the flags are zeroed and they restart at 1
+    (a block that smaller launches leave out must not look arrived): inserts of several
+    sizes and steps across the restart give the bits they give far from it."""
+    case = CASES[4]
+    a, _ = learners(case)
+    b, _ = learners(case)
+    b.replay._barrier = (1 << 30) - 5
+    fill([a, b], np.random.default_rng(14), case, case.capacity)
+    for learner in (a, b):
+        learner.train_replay(6)
+    assert b.replay._barrier < 1000, "the targets did not restart"
+    assert a.snapshot().checksum() == b.snapshot().checksum()
+    assert a.replay_snapshot().checksum() == b.replay_snapshot().checksum()
+
+
 def test_a_non_finite_step_halts_the_run_where_the_reference_says():
     """α = 0: every draw is uniform whatever the priorities, so the reference knows which
     draw first takes the row whose features overflow Adam's second moment (no clipping)."""

@@ -470,11 +470,12 @@ class CudaBackend(Backend):
     def _next_epoch(self) -> int:
         """The next launch's epoch (it also uses epoch − 1 and epoch + 1).
 
-        Epochs only grow, so no word left by an earlier launch carries the current one; before
-        the 32-bit counter would wrap, every tagged buffer and barrier flag is zeroed and the
-        count restarts.
+        Epochs only grow, so no word left by an earlier launch carries the current one.  A
+        grid barrier compares flags with its target as signed 32-bit differences, and a block
+        that smaller launches leave out keeps an old flag; so before the count passes 2^30,
+        every tagged buffer and barrier flag is zeroed and it restarts.
         """
-        if self._epoch + 2 > 0xFFFFFFFF:
+        if self._epoch + 2 > 1 << 30:
             with self.stream:
                 for buf in (self._part_grad, self._part_counts, self._arrivals, self._ent_part):
                     buf.fill(0)

@@ -183,9 +183,16 @@ class CudaReplay(ReplayBuffer):
         return tree_blocks(rows, self.backend.max_blocks)
 
     def _barriers(self, count: int) -> int:
-        """The first of ``count`` grid-barrier targets of the next launch."""
+        """The first of ``count`` grid-barrier targets of the next launch.  A barrier compares
+        flags with its target as signed 32-bit differences, and a block that smaller
+        launches leave out keeps an old flag; so before the targets pass 2^30 every flag is
+        zeroed on the stream and they start again at 1."""
+        if self._barrier + count > 1 << 30:
+            cp.cuda.runtime.memsetAsync(self._arrivals.data.ptr, 0, self._arrivals.nbytes,
+                                        self.backend.stream.ptr)
+            self._barrier = 1
         first = self._barrier
-        self._barrier = (self._barrier + count) & _WORD
+        self._barrier += count
         return first
 
     # ---- training -----------------------------------------------------------------------
