@@ -462,8 +462,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         """Run a state change once per key (already checked by the caller, before its own
         work): replay the recorded response on a repeat."""
         actor_id = key.actor_id
-        self._admit(context, change=key)
-        try:   # not _admit's ``with``: one call less on every step
+        with self._admit(context, change=key):
             if actor_id:
                 recorded = self._replay.lookup(actor_id, key.seq, kind)
                 if recorded is not None:   # a message, or an EncodedTrainResponse
@@ -474,8 +473,6 @@ class LearnerService(pb_grpc.LearnerServicer):
             if actor_id:
                 self._replay.record(actor_id, key.seq, response)
             return response
-        finally:
-            self._apply_lock.release()
 
     def _train(self, request: pb.TrainRequest,
                context: grpc.ServicerContext | None) -> pb.TrainResponse:
@@ -512,14 +509,13 @@ class LearnerService(pb_grpc.LearnerServicer):
         """:meth:`prepare_train` (or :meth:`prepare_insert`) of a relayed request's bytes,
         ``method``'s.  Bytes that do not parse are refused as DecodeGuard refuses them on a
         gRPC server."""
+        insert = method == "InsertStream"
         try:
-            request = (pb.InsertStreamRequest.FromString(data) if method == "InsertStream"
-                       else train_request_deserializer(data))
+            request = (pb.InsertStreamRequest.FromString if insert
+                       else train_request_deserializer)(data)
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
             raise InvalidArgument("request", undecodable(method, exc)) from None
-        if method == "InsertStream":
-            return self.prepare_insert(request)
-        return self.prepare_train(request)
+        return self.prepare_insert(request) if insert else self.prepare_train(request)
 
     def relay_prepare_packed(self, packed: PackedBatch, key_bytes: bytes) -> TrainJob:
         """:meth:`prepare_train` of a relayed request that a front process packed: its

@@ -34,6 +34,8 @@ from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, R
 from duelq.wire.types import Batch, Transitions
 
 RUN_STEPS = 64           # steps between two syncs (rows of the report)
+HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
+_WORD = 0xFFFFFFFF
 
 
 def tree_blocks(rows: int, max_blocks: int) -> int:
@@ -43,8 +45,6 @@ def tree_blocks(rows: int, max_blocks: int) -> int:
     blocks it polls (benchmarks/replay_step.py's sweep: the best count at B = 256, 1024 and
     4096 was 32, 64 and 132 on an H200's 132 SMs)."""
     return min(max_blocks, max(32, rows // 16))
-HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
-_WORD = 0xFFFFFFFF
 
 
 def device_bytes(config: LearnerConfig) -> int:

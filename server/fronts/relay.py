@@ -164,7 +164,7 @@ class FrontStream:
     order (the handler may put its own items there too, gate.StreamReader's)."""
 
     def __init__(self, relay: "RelayFront", sid: int, deadline: float | None,
-                 queue_places: Tally | None, packable: bool = True):
+                 queue_places: Tally | None, packable: bool):
         self._relay, self.sid, self._packable = relay, sid, packable
         self._deadline = deadline or 0.0
         self._queue = queue_places   # None: not counted
@@ -361,7 +361,7 @@ class RelayFront:
         self._free.put(buffer)
 
     def send_request(self, sid: int, buffer: int, data: bytes, deadline: float,
-                     packable: bool = True) -> None:
+                     packable: bool) -> None:
         descriptor = None
         if packable and self._pack is not None:
             try:
