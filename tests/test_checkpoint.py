@@ -23,9 +23,8 @@ from duelq.apps import cli
 from duelq.server.core import checkpoint
 from duelq.server.core.batch import Batch
 from duelq.server.core.checkpoint import (CheckpointError, CheckpointPolicy, CheckpointWriter,
-                                     TUNABLE_FIELDS, checkpoint_name, load_checkpoint,
-                                     load_latest, read_checkpoint, read_latest,
-                                     save_checkpoint)
+                                     TUNABLE_FIELDS, checkpoint_name, read_checkpoint,
+                                     read_latest, save_checkpoint)
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument
 from duelq.server.core.learner import Learner
@@ -66,7 +65,7 @@ def state() -> LearnerState:
 def test_round_trip_is_bit_identical(tmp_path, state):
     path = save_checkpoint(tmp_path, state, CONFIG, backend="reference")
     assert path == tmp_path / "ckpt-000000000003.safetensors"
-    loaded = load_checkpoint(path, CONFIG)
+    loaded = read_checkpoint(path, CONFIG).state
     assert loaded.checksum() == state.checksum()
     assert loaded.isv_observed.dtype == bool and loaded.isv_observed[5]
     assert all(a.dtype == np.float32 for a in loaded.adam_v.arrays())
@@ -88,7 +87,8 @@ def test_stopped_and_resumed_run_matches_one_never_stopped(tmp_path):
         first.step(batch)
     save_checkpoint(tmp_path, first.snapshot(), CONFIG)
     del first
-    loaded, path = load_latest(tmp_path, CONFIG)
+    found = read_latest(tmp_path, CONFIG)
+    loaded, path = found.state, found.path
     assert path.name == checkpoint_name(k)
     resumed = Learner(CONFIG, backend="reference", state=loaded)
     for batch in data[k:]:
@@ -104,7 +104,8 @@ def test_keeps_the_newest_k(tmp_path):
         learner.step(batch)
         save_checkpoint(tmp_path, learner.snapshot(), CONFIG, keep=2)
     assert sorted(os.listdir(tmp_path)) == [checkpoint_name(4), checkpoint_name(5)]
-    loaded, path = load_latest(tmp_path, CONFIG)
+    found = read_latest(tmp_path, CONFIG)
+    loaded, path = found.state, found.path
     assert path.name == checkpoint_name(5) and loaded.checksum() == learner.snapshot().checksum()
 
 
@@ -129,7 +130,8 @@ def test_crash_at_rename_leaves_no_partial_file(tmp_path, state, monkeypatch):
         save_checkpoint(tmp_path, newer, CONFIG)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == [checkpoint_name(3)]
-    loaded, path = load_latest(tmp_path, CONFIG)
+    found = read_latest(tmp_path, CONFIG)
+    loaded, path = found.state, found.path
     assert path.name == checkpoint_name(3) and loaded.checksum() == state.checksum()
 
 
@@ -152,7 +154,8 @@ def test_killed_writer_leaves_a_stray_temp_that_is_ignored_then_cleaned(tmp_path
     assert len(stray) == 1 and stray[0].startswith(".ckpt-") and stray[0].endswith(".tmp")
     assert (tmp_path / stray[0]).stat().st_size > 0
 
-    loaded, path = load_latest(tmp_path, CONFIG)
+    found = read_latest(tmp_path, CONFIG)
+    loaded, path = found.state, found.path
     assert path.name == checkpoint_name(3) and loaded.checksum() == state.checksum()
     save_checkpoint(tmp_path, trained(4), CONFIG)
     assert sorted(os.listdir(tmp_path)) == [checkpoint_name(3), checkpoint_name(4)]
@@ -164,7 +167,7 @@ def test_truncated_file_is_refused(tmp_path, state, length):
     data = path.read_bytes()
     path.write_bytes(data[:length % len(data)])
     with pytest.raises(CheckpointError, match=r"ckpt-000000000003\.safetensors: not a readable"):
-        load_latest(tmp_path, CONFIG)
+        read_latest(tmp_path, CONFIG)
 
 
 def test_every_flipped_byte_is_refused(tmp_path, state):
@@ -175,12 +178,12 @@ def test_every_flipped_byte_is_refused(tmp_path, state):
         bad[i] ^= 1 << (i % 8)
         path.write_bytes(bad)
         with pytest.raises(CheckpointError):
-            load_checkpoint(path, CONFIG)
+            read_checkpoint(path, CONFIG)
     flipped = bytearray(data)
     flipped[-1] ^= 0x01  # last byte of the tensor data
     path.write_bytes(flipped)
     with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
-        load_checkpoint(path, CONFIG)
+        read_checkpoint(path, CONFIG)
 
 
 def test_newest_corrupt_file_does_not_fall_back_to_an_older_one(tmp_path, state):
@@ -188,7 +191,7 @@ def test_newest_corrupt_file_does_not_fall_back_to_an_older_one(tmp_path, state)
     newest = save_checkpoint(tmp_path, trained(4), CONFIG)
     newest.write_bytes(newest.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="ckpt-000000000004"):
-        load_latest(tmp_path, CONFIG)
+        read_latest(tmp_path, CONFIG)
 
 
 def test_other_format_version_is_refused(tmp_path, state, monkeypatch):
@@ -198,7 +201,7 @@ def test_other_format_version_is_refused(tmp_path, state, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match=f"format version {ours + 1}; this build reads "
                                               f"version {ours}"):
-        load_checkpoint(path, CONFIG)
+        read_checkpoint(path, CONFIG)
 
 
 def test_config_mismatch_is_refused_strictly(tmp_path, state):
@@ -206,16 +209,17 @@ def test_config_mismatch_is_refused_strictly(tmp_path, state):
     wider = dataclasses.replace(CONFIG, hidden_dim=16)
     with pytest.raises(CheckpointError, match=r"config mismatch \(hidden_dim: checkpoint 8, "
                                               r"server 16\)"):
-        load_latest(tmp_path, wider)
+        read_latest(tmp_path, wider)
     slower = dataclasses.replace(CONFIG, lr=1e-5)
     with pytest.raises(CheckpointError, match=r"lr: checkpoint 0\.0001, server 1e-05"):
-        load_checkpoint(path, slower)
-    assert load_checkpoint(path, slower, allow_changes=["lr"]).checksum() == state.checksum()
+        read_checkpoint(path, slower)
+    resumed = read_checkpoint(path, slower, allow_changes=["lr"]).state
+    assert resumed.checksum() == state.checksum()
     with pytest.raises(CheckpointError, match="optimizer"):
-        load_checkpoint(path, dataclasses.replace(CONFIG, optimizer="sgd", lr=1e-5),
+        read_checkpoint(path, dataclasses.replace(CONFIG, optimizer="sgd", lr=1e-5),
                         allow_changes=["lr"])
     with pytest.raises(InvalidArgument, match=r"allow_changes: \['isv_size'\]"):
-        load_checkpoint(path, CONFIG, allow_changes=["isv_size"])
+        read_checkpoint(path, CONFIG, allow_changes=["isv_size"])
 
 
 def test_tunable_fields_are_config_fields_and_exclude_layout():
@@ -240,7 +244,7 @@ def test_wrong_tensor_layout_is_refused(tmp_path, state, name, bad, message):
     path = tmp_path / checkpoint_name(3)
     path.write_bytes(checkpoint._encode(tensors, info))
     with pytest.raises(CheckpointError, match=message):
-        load_checkpoint(path, CONFIG)
+        read_checkpoint(path, CONFIG)
 
 
 def test_state_that_does_not_fit_the_config_is_not_written(tmp_path, state):
@@ -253,15 +257,15 @@ def test_renamed_file_is_refused(tmp_path, state):
     path = save_checkpoint(tmp_path, state, CONFIG)
     path.rename(tmp_path / checkpoint_name(30))
     with pytest.raises(CheckpointError, match="holds step 3, but its name says step 30"):
-        load_latest(tmp_path, CONFIG)
+        read_latest(tmp_path, CONFIG)
 
 
 def test_directory_without_checkpoints_gives_none(tmp_path):
-    assert load_latest(tmp_path / "missing", CONFIG) is None
-    assert load_latest(tmp_path, CONFIG) is None
+    assert read_latest(tmp_path / "missing", CONFIG) is None
+    assert read_latest(tmp_path, CONFIG) is None
     (tmp_path / ".ckpt-000000000009.abc.tmp").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    assert load_latest(tmp_path, CONFIG) is None
+    assert read_latest(tmp_path, CONFIG) is None
 
 
 def test_keep_must_be_positive(tmp_path, state):
@@ -311,7 +315,7 @@ def test_extras_round_trip_inside_the_digest(tmp_path, state):
     found = read_checkpoint(path, CONFIG)
     assert found.extras == {"replay": blob, "empty": b""}
     assert found.state.checksum() == state.checksum() and found.path == path
-    assert load_checkpoint(path, CONFIG).checksum() == state.checksum()
+    assert read_checkpoint(path, CONFIG).state.checksum() == state.checksum()
     data = bytearray(path.read_bytes())
     at = bytes(data).rindex(b"[1, 2, 3]")  # the extra's bytes, in the tensor data
     data[at] ^= 0x01
@@ -364,7 +368,7 @@ def test_save_checkpoint_rpc_writes_what_the_server_holds(make_server, tmp_path)
             client.train_step(random_batch(rng, 8))
         path, step = client.save_checkpoint()
     assert (Path(path), step) == (tmp_path / checkpoint_name(3), 3)
-    assert load_checkpoint(path, SMALL).checksum() == server.learner.snapshot().checksum()
+    assert read_checkpoint(path, SMALL).state.checksum() == server.learner.snapshot().checksum()
 
 
 def test_periodic_checkpoints_hold_exactly_the_steps_before_them(make_server, tmp_path):
@@ -382,7 +386,7 @@ def test_periodic_checkpoints_hold_exactly_the_steps_before_them(make_server, tm
     for k, batch in enumerate(sent, 1):
         oracle.step(batch)
         if k in steps:
-            assert load_checkpoint(tmp_path / checkpoint_name(k), SMALL).checksum() == \
+            assert read_checkpoint(tmp_path / checkpoint_name(k), SMALL).state.checksum() == \
                 oracle.snapshot().checksum()
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from duelq.client import LearnerClient, errors
 from duelq.server.core import InvalidArgument, Learner
-from duelq.server.core.checkpoint import load_checkpoint
+from duelq.server.core.checkpoint import read_checkpoint
 from duelq.server.core.learner import cuda_usable
 from duelq.server.fronts import start_server
 from duelq.server.server import ServerOptions
@@ -77,7 +77,7 @@ class Cells:
 
     def state_checksum(self) -> str:
         path = self.stub.SaveCheckpoint(pb.SaveCheckpointRequest(), timeout=30).path
-        return load_checkpoint(path, SMALL).checksum()
+        return read_checkpoint(path, SMALL).state.checksum()
 
     def check(self, field: str, dtype: str) -> None:
         """Send cell (field, dtype); assert the verdict, the answer and the state after."""

@@ -156,40 +156,26 @@ def save_checkpoint(directory: str | os.PathLike, state: LearnerState, config: L
     return path
 
 
-def load_latest(directory: str | os.PathLike, config: LearnerConfig, *,
-                allow_changes: Iterable[str] = ()) -> tuple[LearnerState, Path] | None:
-    """The newest checkpoint in ``directory`` and its path; None if there is none.
-
-    The newest is the highest step.  If it is invalid this raises
-    :class:`CheckpointError`; it never falls back to an older file.  A missing
-    directory holds none.
-    """
-    found = read_latest(directory, config, allow_changes=allow_changes)
-    return None if found is None else (found.state, found.path)
-
-
 def read_latest(directory: str | os.PathLike, config: LearnerConfig, *,
                 allow_changes: Iterable[str] = ()) -> Checkpoint | None:
-    """Like :func:`load_latest`, with the checkpoint's extras."""
+    """The newest checkpoint in ``directory`` (the highest step); None if there is none.
+
+    If it is invalid this raises :class:`CheckpointError`; it never falls back to an
+    older file.  A missing directory holds none.
+    """
     found = _checkpoints(Path(directory))
     if not found:
         return None
     return read_checkpoint(found[-1][1], config, allow_changes=allow_changes)
 
 
-def load_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
-                    allow_changes: Iterable[str] = ()) -> LearnerState:
+def read_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
+                    allow_changes: Iterable[str] = ()) -> Checkpoint:
     """Read and verify one checkpoint for a learner configured as ``config``.
 
     ``allow_changes`` names fields of :data:`TUNABLE_FIELDS` that may differ from
     the stored config; any other difference raises :class:`CheckpointError`.
     """
-    return read_checkpoint(path, config, allow_changes=allow_changes).state
-
-
-def read_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
-                    allow_changes: Iterable[str] = ()) -> Checkpoint:
-    """Like :func:`load_checkpoint`, with the checkpoint's extras."""
     allowed = set(allow_changes)
     if not allowed <= TUNABLE_FIELDS:
         raise InvalidArgument("allow_changes", f"{sorted(allowed - TUNABLE_FIELDS)} may not "
@@ -402,9 +388,6 @@ class CheckpointWriter:
         self._closed = False
         self._final: tuple[Path, int] | None = None
         self._thread: threading.Thread | None = None
-        self.last_path: Path | None = None
-        self.last_write_s: float | None = None
-        """Seconds the last save took, snapshot included."""
 
     def start(self) -> None:
         """Start the periodic saver (a daemon thread), if a period is set."""
@@ -446,7 +429,6 @@ class CheckpointWriter:
         if self._policy.every_steps:
             self._due = state.step + self._policy.every_steps
         done = time.perf_counter()
-        self.last_path, self.last_write_s = path, done - started
         log.info("checkpoint %s: step %d, %d bytes, snapshot %.1f ms, write %.1f ms",
                  path, state.step, path.stat().st_size, 1e3 * (snapped - started),
                  1e3 * (done - snapped))
