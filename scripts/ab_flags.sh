@@ -10,7 +10,9 @@
 # FLAGS may start with "tree:DIR " to serve another checkout (DIR's packages, linked as
 # scripts/device_env.sh links this tree's; its own `duelq` command: apps/cli.py, or
 # server/cli.py in an older tree), benched by that checkout's own bench (its client speaks its proto),
-# e.g. base="tree:/tmp/base --front-process".
+# e.g. base="tree:/tmp/base --front-process".  FLAGS may start with "env:VAR=VALUE,… " (then
+# tree:, if any): the server's environment gains those variables (its fronts inherit
+# them), e.g. malloc="env:MALLOC_MMAP_THRESHOLD_=33554432,MALLOC_TRIM_THRESHOLD_=268435456".
 #
 # Prints a table of steps/s per configuration and round, and the medians; bench JSON goes
 # to $OUT/ab (./duelq-ab/ab without OUT).  Exit status 1 if a server did not come up.
@@ -31,6 +33,11 @@ for round in $(seq "${ROUNDS:-3}"); do
     fi
     for spec in "${order[@]}"; do
         name=${spec%%=*} flags=${spec#*=} serve_path=${PYTHONPATH:-} serve_cli=$CLI
+        serve_env=()
+        if [[ $flags == env:* ]]; then
+            vars=${flags%% *} flags=${flags#"$vars"} flags=${flags# } vars=${vars#env:}
+            IFS=, read -r -a serve_env <<<"$vars"
+        fi
         if [[ $flags == tree:* ]]; then
             tree=${flags%% *} tree=${tree#tree:} flags=${flags#tree:"$tree"}
             shim=$(mktemp -d) && mkdir -p "$shim/duelq"
@@ -43,7 +50,7 @@ for round in $(seq "${ROUNDS:-3}"); do
             [ -f "$tree/apps/cli.py" ] && serve_cli=duelq.apps.cli
         fi
         # shellcheck disable=SC2086
-        PYTHONPATH=$serve_path "$PY" -m $serve_cli --log-level WARNING serve --backend "${BACKEND:-cuda}" \
+        env "${serve_env[@]}" PYTHONPATH="$serve_path" "$PY" -m $serve_cli --log-level WARNING serve --backend "${BACKEND:-cuda}" \
             --front-processes "${FRONTS:-8}" --port $PORT $flags >"$DEST/$name-$round.log" 2>&1 &
         pid=$!
         up=0
