@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
-from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter, read_latest
+from duelq.server.core.checkpoint import (TUNABLE_FIELDS, CheckpointError, CheckpointWriter,
+                                          read_latest)
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument
 from duelq.server.core.learner import Learner, make_backend
@@ -399,7 +400,7 @@ class LearnerServer:
             except OSError as exc:
                 raise CheckpointError(directory, f"cannot use as checkpoint directory: "
                                                  f"{exc}") from exc
-            found = read_latest(directory, config)
+            found = read_latest(directory, config, allow_changes=TUNABLE_FIELDS)
             if found is None:
                 log.info("no checkpoint in %s: starting fresh at step 0", directory)
             else:
@@ -413,6 +414,11 @@ class LearnerServer:
                     log.warning("%s holds no idempotency records: a retried request applied "
                                 "before it would be applied again", found.path)
                 log.info("resuming from %s: step %d", found.path, state.step)
+                changed = [f"{f.name} {getattr(found.config, f.name)!r} → "
+                           f"{getattr(config, f.name)!r}" for f in fields(config)
+                           if getattr(found.config, f.name) != getattr(config, f.name)]
+                if changed:
+                    log.warning("resuming with changed settings: %s", "; ".join(changed))
         state = state if state is not None else LearnerState.initial(config)
         learner = Learner(config, backend=make_backend(backend, config, state),
                           max_batch_size=self.options.max_batch_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -411,6 +412,22 @@ def test_restart_keeps_applied_keys_applied(make_server, tmp_path):
         assert client.train_step(random_batch(rng, 8)).step == 2
 
 
+def test_a_server_resumes_with_changed_tunable_settings_and_says_so(make_server, tmp_path,
+                                                                     caplog):
+    """Settings that fix no shape or meaning (TUNABLE_FIELDS: lr, say) may change across a
+    restart; the server logs each change.  The others are refused (the exit-3 test)."""
+    first = make_server(checkpoint_dir=str(tmp_path))
+    with LearnerClient(first.target, actor_id="a") as client:
+        client.train_step(random_batch(np.random.default_rng(3), 8))
+    first.stop(0)
+    slower = dataclasses.replace(SMALL, lr=SMALL.lr / 10)
+    with caplog.at_level(logging.WARNING, logger="duelq.server.server"):
+        second = make_server(slower, checkpoint_dir=str(tmp_path))
+    assert second.learner.step_count == 1 and second.learner.config.lr == slower.lr
+    assert second.learner.snapshot().checksum() == first.learner.snapshot().checksum()
+    assert f"resuming with changed settings: lr {SMALL.lr!r} → {slower.lr!r}" in caplog.text
+
+
 def _serve(*argv: str) -> int:
     return cli.main(["serve", "--port", "0", "--backend", "reference", "--hidden-dim", "8",
                      "--n-actions", "3", *argv])
@@ -426,9 +443,9 @@ def test_serve_refuses_a_corrupt_or_mismatched_checkpoint_with_exit_3(tmp_path, 
     path = save_checkpoint(tmp_path, learner.snapshot(), config)
     good = path.read_bytes()
 
-    assert _serve("--checkpoint-dir", str(tmp_path), "--lr", "0.5") == cli.EXIT_CHECKPOINT
+    assert _serve("--checkpoint-dir", str(tmp_path), "--n-actions", "4") == cli.EXIT_CHECKPOINT
     err = capsys.readouterr().err
-    assert "config mismatch (lr: checkpoint 0.0001, server 0.5)" in err
+    assert "config mismatch (n_actions: checkpoint 3, server 4)" in err
     assert "refusing to start" in err and path.name in err
 
     path.write_bytes(good[:-8])

@@ -92,11 +92,13 @@ def checkpoint_name(step: int) -> str:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One verified checkpoint: the state, its extras and where it was read from."""
+    """One verified checkpoint: the state, its extras, where it was read from, and the
+    configuration it was written under."""
 
     state: LearnerState
     extras: dict[str, bytes]
     path: Path
+    config: LearnerConfig
 
 
 def save_checkpoint(directory: str | os.PathLike, state: LearnerState, config: LearnerConfig,
@@ -240,7 +242,8 @@ def read_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
     state = LearnerState(params=group("params"), target=group("target"),
                          adam_m=group("adam_m"), adam_v=group("adam_v"), step=step,
                          isv=tensors["isv"], isv_observed=observed.astype(bool))
-    return Checkpoint(state, {name: blob.tobytes() for name, blob in extras.items()}, path)
+    return Checkpoint(state, {name: blob.tobytes() for name, blob in extras.items()}, path,
+                      stored)
 
 
 class CheckpointPolicy:
