@@ -1,4 +1,6 @@
-"""A zero-copy parser for the canonical protobuf encoding of ``TrainRequest``.
+"""A zero-copy parser for the canonical protobuf encoding of ``TrainRequest`` and
+``InsertStreamRequest`` (the same framing: seven tensors, then the key; field 7 is a
+train request's ``weights`` and an insert's ``priorities``).
 
 gRPC hands the server each request as one ``bytes`` object.  protobuf (upb)
 copies every tensor's data into its arena and again on each read of
@@ -13,9 +15,9 @@ each at most once, in increasing order; inside a Tensor ``dtype`` (one-byte
 varint), packed ``shape`` (each dimension < 2**63) and ``data``, each at most
 once, in that order.  The key is parsed by upb from its (small) slice.  For
 anything else (unknown fields, repeated or out-of-order fields, unpacked shapes,
-malformed bytes) it returns None and :func:`train_request_deserializer` falls
-back to ``TrainRequest.FromString``, so the result (or the parse error, which
-the server answers INVALID_ARGUMENT) is exactly upb's.
+malformed bytes) it returns None and the deserializers fall back to protobuf's
+``FromString``, so the result (or the parse error, which the server answers
+INVALID_ARGUMENT) is exactly upb's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 from duelq.v1 import learner_pb2 as pb
 
 TENSOR_FIELDS = ("h_t", "h_tp1", "actions", "rewards", "dones", "discounts", "weights")
-_FIELD_NAMES = frozenset(TENSOR_FIELDS + ("key",))
+INSERT_TENSOR_FIELDS = TENSOR_FIELDS[:6] + ("priorities",)
 _EMPTY = memoryview(b"")
 
 
@@ -47,25 +49,42 @@ class WireTensor:
         return f"WireTensor(dtype={self.dtype}, shape={self.shape}, {len(self.data)} bytes)"
 
 
-class WireTrainRequest:
-    """What the service reads of a ``TrainRequest``: the tensors, ``key`` and ``HasField``;
-    ``layout``: the remembered layout it was read with (:func:`known_layout`), or None, and
-    ``view``: the request's bytes."""
+class _WireRequest:
+    """What the service reads of a request: the tensors (``FIELDS``, by field number),
+    ``key`` and ``HasField``; ``layout``: the remembered layout it was read with
+    (:func:`known_layout`), or None, and ``view``: the request's bytes."""
 
-    __slots__ = TENSOR_FIELDS + ("key", "layout", "view", "_present")
+    __slots__ = ("key", "layout", "view", "_present")
+    FIELDS: tuple[str, ...] = ()
+    MESSAGE = ""
 
     def __init__(self, present: dict, layout: "_Layout | None" = None,
                  view: memoryview = _EMPTY):
         self._present, self.layout, self.view = present, layout, view
-        for name in TENSOR_FIELDS:
+        for name in self.FIELDS:
             setattr(self, name, present.get(name) or WireTensor())
         key = present.get("key")
         self.key = key if key is not None else pb.RequestKey()
 
     def HasField(self, name: str) -> bool:  # noqa: N802 — protobuf's spelling
-        if name not in _FIELD_NAMES:
-            raise ValueError(f'Protocol message TrainRequest has no singular "{name}" field.')
+        if name != "key" and name not in self.FIELDS:
+            raise ValueError(f'Protocol message {self.MESSAGE} has no singular "{name}" '
+                             f'field.')
         return name in self._present
+
+
+class WireTrainRequest(_WireRequest):
+    """A ``TrainRequest`` read from the wire."""
+
+    __slots__ = TENSOR_FIELDS
+    FIELDS, MESSAGE = TENSOR_FIELDS, "TrainRequest"
+
+
+class WireInsertRequest(_WireRequest):
+    """An ``InsertStreamRequest`` read from the wire."""
+
+    __slots__ = INSERT_TENSOR_FIELDS
+    FIELDS, MESSAGE = INSERT_TENSOR_FIELDS, "InsertStreamRequest"
 
 
 def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -140,22 +159,24 @@ class _Layout:
 
     def __init__(self, heads: tuple, tensors: tuple, key: tuple[int, int] | None):
         self.heads = heads        # ((offset, bytes), …), one per field
-        self.tensors = tensors    # ((name, dtype, shape, data start, data stop), …)
+        self.tensors = tensors    # ((field number, dtype, shape, data start, data stop), …)
         self.key = key            # (start, stop) of the key's contents, or None
 
     def matches(self, data) -> bool:
         return all(data[at:at + len(head)] == head for at, head in self.heads)
 
-    def read(self, data, view: memoryview, kept: bool) -> WireTrainRequest | None:
-        present: dict = {name: WireTensor(dtype, shape, view[start:stop] if stop > start
-                                          else _EMPTY, start)
-                         for name, dtype, shape, start, stop in self.tensors}
+    def read(self, data, view: memoryview, kept: bool, kind: type[_WireRequest]
+             ) -> _WireRequest | None:
+        names = kind.FIELDS
+        present: dict = {names[number - 1]: WireTensor(dtype, shape, view[start:stop]
+                                                       if stop > start else _EMPTY, start)
+                         for number, dtype, shape, start, stop in self.tensors}
         if self.key is not None:
             key = _key(data, *self.key)
             if key is None:
                 return None
             present["key"] = key
-        return WireTrainRequest(present, self if kept else None, view)
+        return kind(present, self if kept else None, view)
 
 
 _LAYOUTS: dict[int, _Layout] = {}   # by request length: the last layout seen
@@ -202,6 +223,15 @@ def known_layout(data) -> _Layout | None:
 def parse_train_request(data) -> WireTrainRequest | None:
     """``data`` (bytes, or a flat byte memoryview such as a shared-memory slot) in the
     canonical encoding as a :class:`WireTrainRequest`; None otherwise."""
+    return _parse(data, WireTrainRequest)
+
+
+def parse_insert_request(data) -> WireInsertRequest | None:
+    """:func:`parse_train_request` for an ``InsertStreamRequest``."""
+    return _parse(data, WireInsertRequest)
+
+
+def _parse(data, kind: type[_WireRequest]) -> _WireRequest | None:
     view = _bytes_view(data)
     if view is None:
         return None
@@ -210,7 +240,7 @@ def parse_train_request(data) -> WireTrainRequest | None:
     n = len(data)
     layout = _LAYOUTS.get(n)
     if layout is not None and layout.matches(data):
-        return layout.read(data, view, True)
+        return layout.read(data, view, True, kind)
     heads, tensors, key = [], [], None
     pos, last = 0, 0
     try:
@@ -229,14 +259,14 @@ def parse_train_request(data) -> WireTrainRequest | None:
                 heads.append((begin, bytes(data[begin:pos])))
             else:
                 tensor = _tensor(data, pos, end)              # (dtype, shape, start, stop)
-                tensors.append((TENSOR_FIELDS[field - 1], *tensor))
+                tensors.append((field, *tensor))
                 heads.append((begin, bytes(data[begin:tensor[2]])))
             pos = end
     except _Fallback:
         return None
     layout = _Layout(tuple(heads), tuple(tensors), key)
     kept = sum(len(head) for _, head in heads) <= _HEADS_MAX
-    request = layout.read(data, view, kept)
+    request = layout.read(data, view, kept, kind)
     if request is not None and kept:
         _remember(n, layout)
     return request
@@ -245,8 +275,14 @@ def parse_train_request(data) -> WireTrainRequest | None:
 def train_request_deserializer(data: bytes | memoryview):
     """gRPC's request deserializer for TrainStep and TrainStream: the zero-copy parse of the
     canonical form, else protobuf's (whose errors the server answers INVALID_ARGUMENT)."""
-    parsed = parse_train_request(data)
+    parsed = _parse(data, WireTrainRequest)
     return parsed if parsed is not None else pb.TrainRequest.FromString(bytes(data))
+
+
+def insert_request_deserializer(data: bytes | memoryview):
+    """:func:`train_request_deserializer` for InsertStream."""
+    parsed = _parse(data, WireInsertRequest)
+    return parsed if parsed is not None else pb.InsertStreamRequest.FromString(bytes(data))
 
 
 def undecodable(method: str, exc: Exception) -> str:

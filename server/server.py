@@ -43,7 +43,8 @@ from duelq.server.core.errors import InvalidArgument
 from duelq.server.core.learner import Learner, make_backend
 from duelq.server.core.replay import ReplayState
 from duelq.server.core.state import LearnerState
-from duelq.server.framing import train_request_deserializer, undecodable
+from duelq.server.framing import (insert_request_deserializer, train_request_deserializer,
+                                  undecodable)
 from duelq.server.gate import Count, Gate, Tally, same_shape, worker_count
 from duelq.server.idempotency import KeyGuard
 from duelq.server.metrics import Metrics
@@ -211,8 +212,10 @@ class _Undecodable:
         self.problem = problem
 
 
-#: Methods whose requests :func:`train_request_deserializer` parses (zero-copy tensors).
-ZERO_COPY_METHODS = ("TrainStep", "TrainStream")
+#: Methods whose requests are parsed with zero-copy tensors (server/framing.py), and how.
+ZERO_COPY_METHODS = {"TrainStep": train_request_deserializer,
+                     "TrainStream": train_request_deserializer,
+                     "InsertStream": insert_request_deserializer}
 
 
 class _Recorder:
@@ -229,14 +232,14 @@ class _Recorder:
 
 
 def add_learner_servicer(servicer, server: grpc.Server) -> None:
-    """``add_LearnerServicer_to_server``, with TrainStep/TrainStream requests parsed by
-    :func:`train_request_deserializer` instead of ``TrainRequest.FromString``."""
+    """``add_LearnerServicer_to_server``, with the requests of :data:`ZERO_COPY_METHODS`
+    parsed by server/framing.py instead of protobuf's ``FromString``."""
     recorder = _Recorder()
     pb_grpc.add_LearnerServicer_to_server(servicer, recorder)
     (service, handlers), = recorder.handlers.items()
-    for name in ZERO_COPY_METHODS:
+    for name, deserializer in ZERO_COPY_METHODS.items():
         handlers[name] = same_shape(handlers[name], handlers[name].stream_stream
-                                     or handlers[name].unary_unary, train_request_deserializer)
+                                     or handlers[name].unary_unary, deserializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
         server.add_registered_method_handlers(service, handlers)

@@ -48,7 +48,8 @@ from duelq.server.core.errors import (InvalidArgument, LearnerError, NonFiniteSt
 from duelq.server.core.learner import Learner, Prepared, StepResult
 from duelq.server.core.replay import ReplayRun
 from duelq.server.core.state import LearnerState
-from duelq.server.framing import train_request_deserializer, undecodable
+from duelq.server.framing import (insert_request_deserializer, train_request_deserializer,
+                                  undecodable)
 from duelq.server.gate import END, FAILED, StreamReader
 from duelq.server.idempotency import AlreadyApplied, KeyGuard
 from duelq.v1 import learner_pb2 as pb
@@ -511,7 +512,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         gRPC server."""
         insert = method == "InsertStream"
         try:
-            request = (pb.InsertStreamRequest.FromString if insert
+            request = (insert_request_deserializer if insert
                        else train_request_deserializer)(data)
         except Exception as exc:  # noqa: BLE001 — protobuf's DecodeError and kin
             raise InvalidArgument("request", undecodable(method, exc)) from None

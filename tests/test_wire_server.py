@@ -1,10 +1,12 @@
-"""The server's zero-copy TrainRequest parser (server/framing.py) against protobuf's (upb).
+"""The server's zero-copy parser of TrainRequest and InsertStreamRequest
+(server/framing.py) against protobuf's (upb).
 
 Whatever bytes arrive, ``train_request_deserializer`` must give what
 ``TrainRequest.FromString`` gives: the same fields (presence, dtype, shape, data,
 key) or the same refusal, and ``decode_batch`` must give the same arrays or the
-same error.  The canonical form (as the client and protobuf write it) must take
-the zero-copy path.
+same error; ``insert_request_deserializer`` likewise against
+``InsertStreamRequest.FromString`` and ``decode_transitions``.  The canonical form
+(as the client and protobuf write it) must take the zero-copy path.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from duelq.client.client import encode_batch_wire
 from duelq.wire.tensors import tensor_wire
 from duelq.server.core.errors import InvalidArgument
 from duelq.wire.tensors import TensorError
-from duelq.server.service import decode_batch
+from duelq.server.service import decode_batch, decode_transitions
 from duelq.server import framing as wire
-from duelq.server.framing import (TENSOR_FIELDS, WireTrainRequest, parse_train_request,
-                               train_request_deserializer)
+from duelq.server.framing import (INSERT_TENSOR_FIELDS, TENSOR_FIELDS, WireInsertRequest,
+                                  WireTrainRequest, insert_request_deserializer,
+                                  parse_insert_request, parse_train_request,
+                                  train_request_deserializer)
 from duelq.v1 import learner_pb2 as pb
 
 from conftest import random_batch
@@ -33,11 +37,11 @@ SETTINGS = settings(max_examples=400, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def same_request(fast, slow: pb.TrainRequest) -> None:
+def same_request(fast, slow: pb.TrainRequest, fields=TENSOR_FIELDS) -> None:
     """``fast`` (either parser's result) reads exactly like upb's ``slow``."""
-    for name in TENSOR_FIELDS + ("key",):
+    for name in fields + ("key",):
         assert fast.HasField(name) == slow.HasField(name), name
-    for name in TENSOR_FIELDS:
+    for name in fields:
         a, b = getattr(fast, name), getattr(slow, name)
         assert a.dtype == b.dtype, name
         assert tuple(a.shape) == tuple(b.shape), name
@@ -209,6 +213,72 @@ def test_unknown_fields_and_bad_utf8_fall_back_to_upb():
     assert not WireTrainRequest({}).HasField("h_t")
     with pytest.raises(ValueError):
         WireTrainRequest({}).HasField("nope")
+
+
+def check_insert_bytes(data: bytes) -> None:
+    """The insert deserializer agrees with upb on ``data``, and decode_transitions on what
+    it gives."""
+    try:
+        slow = pb.InsertStreamRequest.FromString(data)
+    except Exception as exc:  # noqa: BLE001
+        with pytest.raises(type(exc)):
+            insert_request_deserializer(data)
+        assert parse_insert_request(data) is None
+        return
+    fast = insert_request_deserializer(data)
+    same_request(fast, slow, INSERT_TENSOR_FIELDS)
+    got = outcome(lambda: decode_transitions(fast))
+    want = outcome(lambda: decode_transitions(slow))
+    assert got[0] == want[0], (got, want)
+    if got[0] == "invalid":
+        assert got[1] == want[1]
+        return
+    for a, b in zip(got[1], want[1]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@st.composite
+def insert_messages(draw) -> pb.InsertStreamRequest:
+    fields = {name: draw(tensors)
+              for name in draw(st.sets(st.sampled_from(INSERT_TENSOR_FIELDS)))}
+    if draw(st.booleans()):
+        fields["key"] = draw(keys)
+    return pb.InsertStreamRequest(**fields)
+
+
+@SETTINGS
+@given(insert_messages(), st.data())
+def test_insert_requests_parse_as_upb_does(message, data):
+    raw = bytearray(message.SerializeToString())
+    check_insert_bytes(bytes(raw))
+    if all(0 <= getattr(message, n).dtype < 128
+           and min(getattr(message, n).shape, default=0) >= 0 for n in INSERT_TENSOR_FIELDS):
+        assert isinstance(parse_insert_request(bytes(raw)), WireInsertRequest)
+    if raw and data.draw(st.booleans()):   # and a mutation of it
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+        check_insert_bytes(bytes(raw))
+
+
+def test_a_layout_remembered_from_a_train_request_reads_an_insert_by_its_own_names():
+    """Train and insert requests of one shape share their framing, so one remembered
+    layout serves both; field 7 reads as ``weights`` in one and ``priorities`` in the
+    other."""
+    rng = np.random.default_rng(9)
+    batch = random_batch(rng, 12)
+    train = encode_batch_wire(batch, actor_id="a", seq=5)
+    insert = pb.InsertStreamRequest.FromString(train)   # the same fields, 7 = priorities
+    assert insert.HasField("priorities")
+    data = insert.SerializeToString()
+    assert len(data) == len(train)
+    parse_train_request(train)
+    layout = wire._LAYOUTS[len(train)]
+    got = parse_insert_request(data)
+    assert got.layout is layout and got.HasField("priorities")
+    same_request(got, insert, INSERT_TENSOR_FIELDS)
+    with pytest.raises(ValueError, match="InsertStreamRequest has no .*weights"):
+        got.HasField("weights")
 
 
 def test_server_accepts_canonical_and_other_encodings(server):
