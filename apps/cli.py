@@ -366,7 +366,8 @@ def missing_extras(command: str, argv: Sequence[str]) -> str | None:
     if not lacking:
         return None
     what = f"duelq {command}" if command else "duelq"
-    return f"{what} needs the {' and '.join(lacking)} extra: {install_command(list(needs))}"
+    extras = f"{' and '.join(lacking)} extra{'s' if len(lacking) > 1 else ''}"
+    return f"{what} needs the {extras}: {install_command(list(needs))}"
 
 
 def health_check(args: argparse.Namespace) -> int:
@@ -447,8 +448,8 @@ def serve(args: argparse.Namespace) -> int:
             log.error("the learner process died; exiting")
             server.stop(0)
             return EXIT_FAILURE
-    log.info("draining: finishing admitted steps, then the final checkpoint; running rpcs "
-             "get up to %g s", options.grace_s)
+    log.info("draining: finishing admitted steps%s; running rpcs get up to %g s",
+             ", then the final checkpoint" if options.checkpoint_dir else "", options.grace_s)
     try:
         saved = server.stop()
     except CheckpointError as exc:

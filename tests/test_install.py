@@ -81,7 +81,7 @@ def test_the_client_and_health_run_without_any_extra(server):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 2, done.stderr   # one line for serve, one for demo
     assert lines[0].startswith("duelq: duelq serve needs the server extra: ")
-    assert lines[1].startswith("duelq: duelq demo needs the server and demo extra: ")
+    assert lines[1].startswith("duelq: duelq demo needs the server and demo extras: ")
     assert all(re.search(r"-m pip install .*\[server(,demo)?\]", line) for line in lines)
 
 
