@@ -11,6 +11,7 @@ same error; ``insert_request_deserializer`` likewise against
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import grpc
@@ -56,33 +57,41 @@ def outcome(fn):
         return "invalid", str(exc)
 
 
-def same_batch(fast, slow: pb.TrainRequest) -> None:
-    got, want = outcome(lambda: decode_batch(fast)), outcome(lambda: decode_batch(slow))
+def same_arrays(fast, slow, decoder) -> None:
+    """``decoder`` (decode_batch, decode_transitions) gives the same arrays, or the same
+    error, from either parser's result."""
+    got, want = outcome(lambda: decoder(fast)), outcome(lambda: decoder(slow))
     assert got[0] == want[0], (got, want)
     if got[0] == "invalid":
         assert got[1] == want[1]
         return
-    for name in ("h_t", "h_tp1", "actions", "rewards", "dones", "discounts", "weights"):
-        a, b = getattr(got[1], name), getattr(want[1], name)
-        if b is None:
-            assert a is None
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert a.tobytes() == b.tobytes(), name
+    for a, b in zip(dataclasses.astuple(got[1]), dataclasses.astuple(want[1])):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def check_bytes(data: bytes) -> None:
-    """The deserializer agrees with upb on ``data``: same message or both refuse."""
+#: (upb's message, the deserializer, the zero-copy parse, its tensor fields, the decoder)
+TRAIN = (pb.TrainRequest, train_request_deserializer, parse_train_request, TENSOR_FIELDS,
+         decode_batch)
+INSERT = (pb.InsertStreamRequest, insert_request_deserializer, parse_insert_request,
+          INSERT_TENSOR_FIELDS, decode_transitions)
+
+
+def check_bytes(data: bytes, kind: tuple = TRAIN) -> None:
+    """The deserializer agrees with upb on ``data``: same message or both refuse; and the
+    decoder on what they give."""
+    message, deserializer, parse, fields, decoder = kind
     try:
-        slow = pb.TrainRequest.FromString(data)
+        slow = message.FromString(data)
     except Exception as exc:  # noqa: BLE001
         with pytest.raises(type(exc)):
-            train_request_deserializer(data)
-        assert parse_train_request(data) is None
+            deserializer(data)
+        assert parse(data) is None
         return
-    fast = train_request_deserializer(data)
-    same_request(fast, slow)
-    same_batch(fast, slow)
+    fast = deserializer(data)
+    same_request(fast, slow, fields)
+    same_arrays(fast, slow, decoder)
 
 
 dims = st.one_of(st.integers(0, 6), st.integers(0, 2**63 - 1), st.integers(-2**63, -1))
@@ -192,7 +201,7 @@ def test_client_wire_bytes_take_the_zero_copy_path(wire, weights):
     assert isinstance(fast, WireTrainRequest)
     slow = pb.TrainRequest.FromString(data)
     same_request(fast, slow)
-    same_batch(fast, slow)
+    same_arrays(fast, slow, decode_batch)
     assert fast.key.actor_id == "actor-é" and fast.key.seq == 2**64 - 1
     h = decode_batch(fast).h_t
     if wire == "float32":   # a view of the request's bytes, not a copy
@@ -215,30 +224,6 @@ def test_unknown_fields_and_bad_utf8_fall_back_to_upb():
         WireTrainRequest({}).HasField("nope")
 
 
-def check_insert_bytes(data: bytes) -> None:
-    """The insert deserializer agrees with upb on ``data``, and decode_transitions on what
-    it gives."""
-    try:
-        slow = pb.InsertStreamRequest.FromString(data)
-    except Exception as exc:  # noqa: BLE001
-        with pytest.raises(type(exc)):
-            insert_request_deserializer(data)
-        assert parse_insert_request(data) is None
-        return
-    fast = insert_request_deserializer(data)
-    same_request(fast, slow, INSERT_TENSOR_FIELDS)
-    got = outcome(lambda: decode_transitions(fast))
-    want = outcome(lambda: decode_transitions(slow))
-    assert got[0] == want[0], (got, want)
-    if got[0] == "invalid":
-        assert got[1] == want[1]
-        return
-    for a, b in zip(got[1], want[1]):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 @st.composite
 def insert_messages(draw) -> pb.InsertStreamRequest:
     fields = {name: draw(tensors)
@@ -252,13 +237,13 @@ def insert_messages(draw) -> pb.InsertStreamRequest:
 @given(insert_messages(), st.data())
 def test_insert_requests_parse_as_upb_does(message, data):
     raw = bytearray(message.SerializeToString())
-    check_insert_bytes(bytes(raw))
+    check_bytes(bytes(raw), INSERT)
     if all(0 <= getattr(message, n).dtype < 128
            and min(getattr(message, n).shape, default=0) >= 0 for n in INSERT_TENSOR_FIELDS):
         assert isinstance(parse_insert_request(bytes(raw)), WireInsertRequest)
     if raw and data.draw(st.booleans()):   # and a mutation of it
         raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
-        check_insert_bytes(bytes(raw))
+        check_bytes(bytes(raw), INSERT)
 
 
 def test_a_layout_remembered_from_a_train_request_reads_an_insert_by_its_own_names():
