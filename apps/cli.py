@@ -7,15 +7,16 @@ The LearnerConfig and ServerOptions flags are generated from those dataclasses,
 with their field docstrings as help, so a new knob becomes a flag by itself.
 
 Only ``health`` runs on the client install; the other commands need extras, and
-say which (with the pip command) in one line when one is missing.  Server modules
-are imported when a command needs them, never at import.
+say which (with the pip command) in one line when one is missing.  Of the server,
+only its logging setup (the standard library alone) is imported at import; the rest when a
+command needs it.
 
 Exit codes: 0 success (also a clean shutdown on SIGINT/SIGTERM), 1 a runtime
 failure (cannot bind, no usable backend, the final checkpoint could not be
 written, the demo failed, a missing extra), 2 a usage or configuration error (a
 replay buffer too large for its device included), 3 the newest checkpoint in
-``--checkpoint-dir`` is unreadable, corrupt or was made with another configuration
-(``duelq serve`` never starts fresh over it), 130 the demo stopped by Ctrl-C (after
+``--checkpoint-dir`` is unreadable, corrupt or of other shapes (a setting outside
+checkpoint.TUNABLE_FIELDS differs; ``duelq serve`` never starts fresh over it), 130 the demo stopped by Ctrl-C (after
 its partial summary).
 """
 
@@ -270,7 +271,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="duelq", description="A gRPC learner service for a Dueling-DQN head.",
         epilog="Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error "
                "(a replay buffer too large for its device too), "
-               "3 refused checkpoint (corrupt or another configuration), 130 demo "
+               "3 refused checkpoint (corrupt, or other shapes), 130 demo "
                "interrupted. Every flag also reads DUELQ_<FLAG> from the environment.")
     parser.add_argument("--version", action="version", version=f"duelq {version()}")
     add_global_flags(parser)

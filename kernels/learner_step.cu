@@ -9,10 +9,11 @@
 //                     per-sample B·H·N buffer). Also copies its slice of the ISV to the next one.
 //                     Its partials are tagged with the launch's epoch (dueling_common.cuh).
 //   Phase 2 (params)  block b owns a slice of the parameters: sums the G partials of its slice
-//                     in block order, waiting for each to carry this epoch (no grid barrier:
-//                     a block starts as soon as the partials it needs have landed); with
-//                     clipping, publishes its squared norm, waits at a grid barrier and sums
-//                     all of them in block order; then Adam/SGD and the target update on its
+//                     in a fixed order (ranges of blocks, then the ranges), waiting for each to
+//                     carry this epoch (no grid barrier: a block starts as soon as the partials
+//                     it needs have landed); with clipping, publishes its squared norm, waits at
+//                     a grid barrier and sums all of them in a fixed order (lane ranges, then a
+//                     butterfly); then Adam/SGD and the target update on its
 //                     slice. The last block (smallest slice) also folds the batch entropy into
 //                     the ISV.
 // The grid barrier is a per-block arrival flag that every block polls. No atomics, and no

@@ -392,9 +392,10 @@ class LearnerServer:
     def serve_learner(self, config: LearnerConfig, *, backend: str = "auto") -> Learner:
         """Build the learner, resumed from ``checkpoint_dir``'s newest checkpoint, and attach it.
 
-        Raises :class:`CheckpointError` when that checkpoint is unreadable,
-        corrupt or made with another config, or the directory is unusable:
-        never starts fresh over a checkpoint it cannot read.
+        Raises :class:`CheckpointError` when that checkpoint is unreadable, corrupt or
+        written under a config that differs outside TUNABLE_FIELDS (a difference inside
+        them is logged), or the directory is unusable: never starts fresh over a checkpoint
+        it cannot read.
         """
         directory, state, replay, found = self.options.checkpoint_dir, None, None, None
         if directory:

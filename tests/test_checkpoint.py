@@ -426,6 +426,11 @@ def test_a_server_resumes_with_changed_tunable_settings_and_says_so(make_server,
     assert second.learner.step_count == 1 and second.learner.config.lr == slower.lr
     assert second.learner.snapshot().checksum() == first.learner.snapshot().checksum()
     assert f"resuming with changed settings: lr {SMALL.lr!r} → {slower.lr!r}" in caplog.text
+    second.stop(0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="duelq.server.server"):
+        make_server(slower, checkpoint_dir=str(tmp_path))   # the same settings again
+    assert "changed settings" not in caplog.text
 
 
 def _serve(*argv: str) -> int:

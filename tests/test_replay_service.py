@@ -88,6 +88,25 @@ def test_inserts_are_acknowledged_in_order_and_stored_once_per_key(replay_server
                                                                   np.float32).reshape(7, H))
 
 
+def test_inserts_are_read_zero_copy_by_grpc_and_by_the_relay(replay_server, monkeypatch):
+    """An InsertStream request reaches the service as the zero-copy reader's
+    WireInsertRequest, both from gRPC (one process) and from relayed bytes (fronts)."""
+    from duelq.server.framing import WireInsertRequest
+    from duelq.server.service import LearnerService
+    seen, prepare = [], LearnerService.prepare_insert
+
+    def spy(self, request):
+        seen.append(type(request))
+        return prepare(self, request)
+    monkeypatch.setattr(LearnerService, "prepare_insert", spy)
+    rng = np.random.default_rng(4)
+    sent = insert_request(rows(rng, 5), "actor-z", 1)
+    assert [a.rows for a in stub(replay_server).InsertStream(iter([sent]))] == [5]
+    data = sent.SerializeToString()
+    replay_server.service.relay_prepare(memoryview(data), "InsertStream")
+    assert seen == [WireInsertRequest, WireInsertRequest]
+
+
 def insert_good_bad_more(server, rng: np.random.Generator, actor: str) -> None:
     """Stream a good insert, one whose actions are out of range, then another good one:
     the stream ends INVALID_ARGUMENT naming actions after answering the first only."""

@@ -222,6 +222,8 @@ def test_unknown_fields_and_bad_utf8_fall_back_to_upb():
     assert not WireTrainRequest({}).HasField("h_t")
     with pytest.raises(ValueError):
         WireTrainRequest({}).HasField("nope")
+    with pytest.raises(ValueError, match="TrainRequest has no .*priorities"):
+        WireTrainRequest({}).HasField("priorities")   # as upb: each message its own names
 
 
 @st.composite
