@@ -7,8 +7,8 @@ The LearnerConfig and ServerOptions flags are generated from those dataclasses,
 with their field docstrings as help, so a new knob becomes a flag by itself.
 
 Only ``health`` runs on the client install; the other commands need extras, and
-say which (with the pip command) in one line when one is missing.  Of the server,
-only its logging setup (the standard library alone) is imported at import; the rest when a
+say which (with the pip command) in one line when one is missing.  Of the server, only
+its logging setup (the standard library alone) is imported at import; the rest when a
 command needs it.
 
 Exit codes: 0 success (also a clean shutdown on SIGINT/SIGTERM), 1 a runtime
@@ -16,8 +16,8 @@ failure (cannot bind, no usable backend, the final checkpoint could not be
 written, the demo failed, a missing extra), 2 a usage or configuration error (a
 replay buffer too large for its device included), 3 the newest checkpoint in
 ``--checkpoint-dir`` is unreadable, corrupt or of other shapes (a setting outside
-checkpoint.TUNABLE_FIELDS differs; ``duelq serve`` never starts fresh over it), 130 the demo stopped by Ctrl-C (after
-its partial summary).
+checkpoint.TUNABLE_FIELDS differs; ``duelq serve`` never starts fresh over it), 130 the
+demo stopped by Ctrl-C (after its partial summary).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ class _WireRequest:
     (:func:`known_layout`), or None, and ``view``: the request's bytes."""
 
     __slots__ = ("key", "layout", "view", "_present")
-    FIELDS: tuple[str, ...] = ()
-    MESSAGE = ""
+    FIELDS: tuple[str, ...] = ()   # the tensor fields' names, by field number
+    PROTO: type = pb.TrainRequest   # the protobuf message it stands for
 
     def __init__(self, present: dict, layout: "_Layout | None" = None,
                  view: memoryview = _EMPTY):
@@ -68,8 +68,8 @@ class _WireRequest:
 
     def HasField(self, name: str) -> bool:  # noqa: N802 — protobuf's spelling
         if name != "key" and name not in self.FIELDS:
-            raise ValueError(f'Protocol message {self.MESSAGE} has no singular "{name}" '
-                             f'field.')
+            raise ValueError(f'Protocol message {self.PROTO.DESCRIPTOR.name} has no singular '
+                             f'"{name}" field.')
         return name in self._present
 
 
@@ -77,14 +77,14 @@ class WireTrainRequest(_WireRequest):
     """A ``TrainRequest`` read from the wire."""
 
     __slots__ = TENSOR_FIELDS
-    FIELDS, MESSAGE = TENSOR_FIELDS, "TrainRequest"
+    FIELDS, PROTO = TENSOR_FIELDS, pb.TrainRequest
 
 
 class WireInsertRequest(_WireRequest):
     """An ``InsertStreamRequest`` read from the wire."""
 
     __slots__ = INSERT_TENSOR_FIELDS
-    FIELDS, MESSAGE = INSERT_TENSOR_FIELDS, "InsertStreamRequest"
+    FIELDS, PROTO = INSERT_TENSOR_FIELDS, pb.InsertStreamRequest
 
 
 def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -272,17 +272,21 @@ def _parse(data, kind: type[_WireRequest]) -> _WireRequest | None:
     return request
 
 
+def _deserialize(data: bytes | memoryview, kind: type[_WireRequest]):
+    """The zero-copy parse of the canonical form, else protobuf's (whose errors the server
+    answers INVALID_ARGUMENT)."""
+    parsed = _parse(data, kind)
+    return parsed if parsed is not None else kind.PROTO.FromString(bytes(data))
+
+
 def train_request_deserializer(data: bytes | memoryview):
-    """gRPC's request deserializer for TrainStep and TrainStream: the zero-copy parse of the
-    canonical form, else protobuf's (whose errors the server answers INVALID_ARGUMENT)."""
-    parsed = _parse(data, WireTrainRequest)
-    return parsed if parsed is not None else pb.TrainRequest.FromString(bytes(data))
+    """gRPC's request deserializer for TrainStep and TrainStream (:func:`_deserialize`)."""
+    return _deserialize(data, WireTrainRequest)
 
 
 def insert_request_deserializer(data: bytes | memoryview):
-    """:func:`train_request_deserializer` for InsertStream."""
-    parsed = _parse(data, WireInsertRequest)
-    return parsed if parsed is not None else pb.InsertStreamRequest.FromString(bytes(data))
+    """gRPC's request deserializer for InsertStream (:func:`_deserialize`)."""
+    return _deserialize(data, WireInsertRequest)
 
 
 def undecodable(method: str, exc: Exception) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +37,7 @@ from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from duelq.server.core.checkpoint import (TUNABLE_FIELDS, CheckpointError, CheckpointWriter,
-                                          read_latest)
+                                          changed_fields, read_latest)
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument
 from duelq.server.core.learner import Learner, make_backend
@@ -418,11 +418,11 @@ class LearnerServer:
                     log.warning("%s holds no idempotency records: a retried request applied "
                                 "before it would be applied again", found.path)
                 log.info("resuming from %s: step %d", found.path, state.step)
-                changed = [f"{f.name} {getattr(found.config, f.name)!r} → "
-                           f"{getattr(config, f.name)!r}" for f in fields(config)
-                           if getattr(found.config, f.name) != getattr(config, f.name)]
+                changed = changed_fields(found.config, config)
                 if changed:
-                    log.warning("resuming with changed settings: %s", "; ".join(changed))
+                    log.warning("resuming with changed settings: %s", "; ".join(
+                        f"{name} {getattr(found.config, name)!r} → {getattr(config, name)!r}"
+                        for name in changed))
         state = state if state is not None else LearnerState.initial(config)
         learner = Learner(config, backend=make_backend(backend, config, state),
                           max_batch_size=self.options.max_batch_size)

@@ -158,6 +158,12 @@ def save_checkpoint(directory: str | os.PathLike, state: LearnerState, config: L
     return path
 
 
+def changed_fields(stored: LearnerConfig, config: LearnerConfig) -> list[str]:
+    """The names of the fields in which ``config`` differs from ``stored``, in field order."""
+    return [f.name for f in fields(LearnerConfig)
+            if getattr(stored, f.name) != getattr(config, f.name)]
+
+
 def read_latest(directory: str | os.PathLike, config: LearnerConfig, *,
                 allow_changes: Iterable[str] = ()) -> Checkpoint | None:
     """The newest checkpoint in ``directory`` (the highest step); None if there is none.
@@ -213,9 +219,7 @@ def read_checkpoint(path: str | os.PathLike, config: LearnerConfig, *,
         raise refuse(f"metadata lacks a valid step or config ({exc})") from exc
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise refuse(f"step must be an integer ≥ 0, got {step!r}")
-    changed = [f.name for f in fields(LearnerConfig)
-               if getattr(stored, f.name) != getattr(config, f.name)]
-    refused = [name for name in changed if name not in allowed]
+    refused = [name for name in changed_fields(stored, config) if name not in allowed]
     if refused:
         diff = "; ".join(f"{name}: checkpoint {getattr(stored, name)!r}, "
                          f"server {getattr(config, name)!r}" for name in refused)
