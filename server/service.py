@@ -296,18 +296,16 @@ def _response_template(rows: int) -> pb.TrainResponse:
 
 
 @dataclass
-class TrainJob:
-    """A train request checked and on its way to the device, waiting for its step; a
+class Job:
+    """A request checked and on its way to the device, waiting for the apply lock; a
     context manager: closing it gives an unused upload back.
 
     Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
-    learner: Learner
     key: pb.RequestKey
     prepared: Prepared
-    key_bytes: bytes | None = None   # the key's wire bytes, where the request gave them
 
-    def __enter__(self) -> "TrainJob":
+    def __enter__(self) -> "Job":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -318,14 +316,15 @@ class TrainJob:
 
 
 @dataclass
-class InsertJob:
-    """An insert's rows, checked for shape, waiting for the apply lock (a relay Job)."""
+class TrainJob(Job):
+    """A train request's job: a batch for the learner's step."""
 
-    key: pb.RequestKey
-    rows: Transitions
+    key_bytes: bytes | None = None   # the key's wire bytes, where the request gave them
 
-    def close(self) -> None:
-        pass
+
+@dataclass
+class InsertJob(Job):
+    """An insert's job: rows for the replay buffer."""
 
 
 class _Release:
@@ -486,15 +485,17 @@ class LearnerService(pb_grpc.LearnerServicer):
         learner = self.learner   # NotServing before attach
         self._check_train_key(request.key)
         batch = decode_batch(request, keep_16bit=bool(learner.backend.feature_dtypes))
-        return TrainJob(learner, request.key, learner.prepare(batch))
+        return TrainJob(request.key, learner.prepare(batch))
 
     def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None, *,
                     encoded: bool = False) -> pb.TrainResponse | EncodedTrainResponse:
         """Step a prepared request once under the apply lock (a replayed key's upload is
         simply given back when the job closes).  ``encoded``: answer a new step with its
         wire bytes (:class:`EncodedTrainResponse`), for a caller that sends bytes."""
+        learner = self.learner
+
         def apply() -> pb.TrainResponse | EncodedTrainResponse:
-            result = job.learner.step(job.prepared)
+            result = learner.step(job.prepared)
             if encoded:
                 key = job.key_bytes
                 response = encoded_train_response(
@@ -524,7 +525,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         learner = self.learner   # NotServing before attach
         key = pb.RequestKey.FromString(key_bytes)   # the front parsed it
         self._check_train_key(key)
-        return TrainJob(learner, key, learner.prepare_packed(packed), key_bytes)
+        return TrainJob(key, learner.prepare_packed(packed), key_bytes)
 
     def call_relayed(self, name: str, request: bytes, context) -> bytes:
         """A small rpc (one of :data:`RELAYED_CALLS`) that a front process relayed whole
@@ -550,11 +551,17 @@ class LearnerService(pb_grpc.LearnerServicer):
                 self.checkpoints.notify(learner.step_count)
             return run
 
+    def _insert(self, request: pb.InsertStreamRequest,
+                context: grpc.ServicerContext | None) -> pb.InsertStreamResponse:
+        with self.prepare_insert(request) as job:
+            return self.apply_insert(job, context)
+
     def prepare_insert(self, request: pb.InsertStreamRequest) -> InsertJob:
-        """An insert's checks that run before the apply lock (key, shapes)."""
-        self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
+        """An insert's checks and its copy towards the device, which run before the apply
+        lock, beside the steps that hold it."""
+        learner = self.learner   # NotServing before attach
         self._check_train_key(request.key)
-        return InsertJob(request.key, decode_transitions(request))
+        return InsertJob(request.key, learner.prepare_insert(decode_transitions(request)))
 
     def apply_insert(self, job: InsertJob, context: grpc.ServicerContext | None
                      ) -> pb.InsertStreamResponse:
@@ -562,7 +569,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         learner = self.learner
 
         def apply() -> pb.InsertStreamResponse:
-            result = learner.insert(job.rows)
+            result = learner.insert(job.prepared)
             return pb.InsertStreamResponse(rows=result.rows, size=result.size,
                                            inserted=result.inserted, version=result.step,
                                            step=result.step, key=job.key)
@@ -574,8 +581,7 @@ class LearnerService(pb_grpc.LearnerServicer):
     @_rpc
     def InsertStream(self, request_iterator, context) -> Iterator[pb.InsertStreamResponse]:
         self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
-        yield from self._stream(request_iterator, context, lambda request, context:
-                                self.apply_insert(self.prepare_insert(request), context))
+        yield from self._stream(request_iterator, context, self._insert)
 
     @_rpc
     def TrainReplay(self, request, context):

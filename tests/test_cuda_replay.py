@@ -138,6 +138,25 @@ def test_inserts_build_the_reference_buffer_bit_for_bit(case):
         assert_same_buffer(cuda, ref)
 
 
+def test_inserts_without_a_free_upload_buffer_store_the_same_bits():
+    """An insert's rows come in one of the backend's upload buffers, or, with none free,
+    through the replay's own staging: both store the reference's bits, and every buffer
+    comes back, also from a prepared insert dropped unused."""
+    from duelq.server.core.cuda import UPLOAD_BUFFERS
+    case = CASES[4]
+    cuda, ref = learners(case)
+    busy = learners(case)[0]
+    held = [busy.backend._free_uploads.get_nowait() for _ in range(UPLOAD_BUFFERS)]
+    rng = np.random.default_rng(21)
+    fill([cuda, busy, ref], rng, case, case.capacity // 4)
+    assert_same_buffer(cuda, ref)
+    assert_same_buffer(busy, ref)
+    cuda.prepare_insert(transitions(rng, 9, case)).__exit__()
+    assert cuda.backend._free_uploads.qsize() == UPLOAD_BUFFERS
+    for buf in held:
+        busy.backend._free_uploads.put(buf)
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_draws_are_the_references_rows_weights_and_bytes(case):
     cuda, ref = learners(case)

@@ -307,6 +307,27 @@ def test_a_bad_insert_names_its_field_and_stores_nothing(case):
     assert lrn.replay.snapshot().checksum() == before
 
 
+def test_an_inserts_checks_run_without_the_learners_lock():
+    """prepare_insert checks the rows beside steps, without the lock; inserting what it
+    prepared stores what an insert of the rows themselves does."""
+    class Forbidden:
+        def __enter__(self):
+            raise AssertionError("prepare_insert took the learner's lock")
+
+        def __exit__(self, *exc):
+            pass
+    lrn, twin = learner(), learner()
+    t = transitions(np.random.default_rng(16), 5, priorities=np.arange(1, 6, dtype=np.float32))
+    lock, lrn.lock = lrn.lock, Forbidden()
+    with pytest.raises(InvalidArgument) as info:
+        lrn.prepare_insert(BAD_INSERTS["rewards Inf"][1])
+    assert info.value.field == "rewards"
+    prepared = lrn.prepare_insert(t)
+    lrn.lock = lock
+    assert lrn.insert(prepared) == twin.insert(t)
+    assert lrn.replay.snapshot().checksum() == twin.replay.snapshot().checksum()
+
+
 @pytest.mark.parametrize("dtype, field, value", [
     ("float16", "h_t", np.zeros((4, H), np.float32)),
     ("float16", "h_tp1", np.zeros((4, H), ml_dtypes.bfloat16)),

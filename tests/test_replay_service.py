@@ -107,6 +107,34 @@ def test_inserts_are_read_zero_copy_by_grpc_and_by_the_relay(replay_server, monk
     assert seen == [WireInsertRequest, WireInsertRequest]
 
 
+def test_every_inserts_upload_is_given_back(replay_server, monkeypatch):
+    """An insert's upload (a device backend's staging, taken before the apply lock) is given
+    back whether its rows are stored or its key's answer is replayed, and in the relay's
+    path as in gRPC's."""
+    from duelq.server.core.backend import Upload
+
+    class Counted(Upload):
+        def __init__(self):
+            self.open = True
+            taken.append(self)
+
+        def close(self):
+            self.open = False
+    taken: list[Counted] = []
+    monkeypatch.setattr(replay_server.learner.replay, "upload", lambda rows: Counted())
+    rng = np.random.default_rng(5)
+    sent = [insert_request(rows(rng, 3), "actor-u", seq) for seq in (1, 2)]
+    answers = list(stub(replay_server).InsertStream(iter([sent[0], sent[1], sent[0]])))
+    assert [a.replayed for a in answers] == [False, False, True]
+    service = replay_server.service
+    for request in (sent[1], insert_request(rows(rng, 2), "actor-u", 3)):   # replayed, new
+        job = service.relay_prepare(memoryview(request.SerializeToString()), "InsertStream")
+        service.apply_insert(job, None)
+        job.close()   # as the relay closes every job
+    assert len(taken) == 5 and not any(u.open for u in taken)
+    assert replay_server.learner.replay.size == 3 + 3 + 2
+
+
 def insert_good_bad_more(server, rng: np.random.Generator, actor: str) -> None:
     """Stream a good insert, one whose actions are out of range, then another good one:
     the stream ends INVALID_ARGUMENT naming actions after answering the first only."""

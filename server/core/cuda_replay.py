@@ -3,7 +3,10 @@
 Everything is allocated at start: the rows (features in the buffer's dtype, 16-bit ones as
 their bits), priorities, leaves, the tree's sums and mins, the write-back's owner marks, the
 gathered batch and a run's report.  A buffer that does not fit the device's free memory is
-refused before any of it is allocated (:class:`ReplayTooLarge`).
+refused before any of it is allocated (:class:`ReplayTooLarge`).  An insert's rows reach
+the device in one of the backend's upload buffers, copied before the insert takes the
+learner's lock (:meth:`CudaReplay.upload`), or, with none free, through a staging buffer of
+the replay's own at the insert.
 
 A run of K steps is enqueued on the backend's stream without waiting: per step the draw
 (``replay_sample``: rows, weights, the gather into learner_step's packed inputs), the
@@ -26,7 +29,9 @@ import numpy as np
 
 from duelq.server.core.batch import packed_layout
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.cuda import FEATURE_KINDS, THREADS, CudaBackend, _Staging, kernel_source
+from duelq.server.core.backend import Upload
+from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Staging, _Uploaded,
+                                    kernel_source)
 from duelq.server.core.errors import ReplayTooLarge
 from duelq.server.core.native import CommitArgs, InsertArgs
 from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, ReplayState,
@@ -36,6 +41,12 @@ from duelq.wire.types import Batch, Transitions
 RUN_STEPS = 64           # steps between two syncs (rows of the report)
 HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
 _WORD = 0xFFFFFFFF
+
+
+def _packable(t: Transitions) -> Batch:
+    """An insert's rows as the batch whose packed layout replay_insert reads (priorities in
+    the weights' place)."""
+    return Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts, t.priorities)
 
 
 def tree_blocks(rows: int, max_blocks: int) -> int:
@@ -156,28 +167,47 @@ class CudaReplay(ReplayBuffer):
         self._counters = {name: getattr(state, name) for name in ReplayState.COUNTERS}
 
     # ---- inserts ------------------------------------------------------------------------
-    def insert(self, t: Transitions) -> None:
+    def upload(self, t: Transitions) -> Upload | None:
+        return self.backend.upload(_packable(t))
+
+    def insert(self, t: Transitions, upload: Upload | None = None) -> None:
+        """Store the rows that ``upload`` brought to the device (without one, pack and copy
+        them here); return once the insert has run, its staging free again."""
         b, c, n = self.backend, self._counters, t.size
-        words = self._staging.pack(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones,
-                                         t.discounts, t.priorities))
-        with b.stream:
-            self._staging.upload(words, b.stream)
-            args = InsertArgs(
-                staged=self._staging.device_ptr, rows_t=self._h_t.data.ptr,
-                rows_tp1=self._h_tp1.data.ptr, actions=self._actions.data.ptr,
-                rewards=self._rewards.data.ptr, dones=self._dones.data.ptr,
-                discounts=self._discounts.data.ptr, priorities=self._priorities.data.ptr,
-                leaves=self._leaves.data.ptr, sums=self._sums.data.ptr,
-                mins=self._mins.data.ptr, max_priority=self._max_priority.data.ptr,
-                arrivals=self._arrivals.data.ptr, ticket=self._ticket.data.ptr,
-                alpha=self.config.replay_alpha, barrier=self._barriers(self._tree_barriers),
-                count=n, start=c["cursor"],
-                has_priorities=t.priorities is not None)
-            b._launch_cooperative(self._insert, self._blocks(n), THREADS, 0, args)
-        b.stream.synchronize()   # the staging buffer is packed again by the next insert
+        buf = upload.buffer if type(upload) is _Uploaded else None
+        waited = False   # the stream waits for the upload's copy
+        try:
+            with b.stream:
+                if buf is None:
+                    self._staging.upload(self._staging.pack(_packable(t)), b.stream)
+                    staged = self._staging.device_ptr
+                else:
+                    b.stream.wait_event(buf.copied)
+                    staged, waited = buf.staging.device_ptr, True
+                self._launch_insert(t, staged)
+        finally:
+            b.stream.synchronize()   # the staged rows are read (even after a failed launch)
+            if upload is not None:   # else its close waits for the copy
+                upload.stepped = waited
         C = self.config.replay_capacity
         c["cursor"], c["size"], c["inserted"] = ((c["cursor"] + n) % C, min(c["size"] + n, C),
                                                  c["inserted"] + n)
+
+    def _launch_insert(self, t: Transitions, staged: int) -> None:
+        """replay_insert of ``t``'s rows, packed at device address ``staged``, at the cursor."""
+        b, c, n = self.backend, self._counters, t.size
+        args = InsertArgs(
+            staged=staged, rows_t=self._h_t.data.ptr,
+            rows_tp1=self._h_tp1.data.ptr, actions=self._actions.data.ptr,
+            rewards=self._rewards.data.ptr, dones=self._dones.data.ptr,
+            discounts=self._discounts.data.ptr, priorities=self._priorities.data.ptr,
+            leaves=self._leaves.data.ptr, sums=self._sums.data.ptr,
+            mins=self._mins.data.ptr, max_priority=self._max_priority.data.ptr,
+            arrivals=self._arrivals.data.ptr, ticket=self._ticket.data.ptr,
+            alpha=self.config.replay_alpha, barrier=self._barriers(self._tree_barriers),
+            count=n, start=c["cursor"],
+            has_priorities=t.priorities is not None)
+        b._launch_cooperative(self._insert, self._blocks(n), THREADS, 0, args)
 
     def _blocks(self, rows: int) -> int:
         return tree_blocks(rows, self.backend.max_blocks)

@@ -3,9 +3,10 @@
 This is the object the gRPC service calls.  Every public method checks its
 inputs first and raises :class:`InvalidArgument` naming the field; a refused
 call leaves the state bit-identical.  Calls are serialised by one lock, so
-steps apply one at a time in arrival order.  :meth:`Learner.prepare` does a
-step's checks and starts its copy to the device without that lock, so the
-service can run it while another step holds the device.
+steps apply one at a time in arrival order.  :meth:`Learner.prepare` (and
+:meth:`Learner.prepare_insert`) does a step's (an insert's) checks and starts its copy
+to the device without that lock, so the service can run it while another step holds
+the device.
 """
 
 from __future__ import annotations
@@ -95,14 +96,15 @@ class InsertResult:
 
 @dataclass
 class Prepared:
-    """A validated batch, maybe already on its way to the device (:meth:`Learner.prepare`).
+    """A validated batch (or an insert's rows), maybe already on its way to the device
+    (:meth:`Learner.prepare`, :meth:`Learner.prepare_insert`).
 
     A context manager: leaving it gives unused staging space back.
 
     Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
     """
 
-    batch: Batch | PackedBatch
+    batch: Batch | PackedBatch | Transitions
     upload: Upload | None
 
     def __enter__(self) -> "Prepared":
@@ -282,16 +284,24 @@ class Learner:
             raise ReplayNotReady("the server-side replay buffer is off (replay_capacity = 0)")
         return self.replay
 
-    def insert(self, transitions: Transitions) -> InsertResult:
-        """Check every row of ``transitions``, then store them all in the replay buffer (a
-        refused insert stores nothing)."""
+    def prepare_insert(self, transitions: Transitions) -> Prepared:
+        """Check every row of ``transitions`` and start their copy to the device; no lock is
+        taken, so an insert's checks and copy run beside steps."""
         replay = self._replay()
         rows = validate_transitions(transitions, self.config,
                                     min(self.max_batch_size, self.config.replay_capacity))
-        with self.lock:
-            replay.insert(rows)
+        return Prepared(rows, replay.upload(rows))
+
+    def insert(self, transitions: Transitions | Prepared) -> InsertResult:
+        """Check every row of ``transitions`` (unless prepared), then store them all in the
+        replay buffer (a refused insert stores nothing)."""
+        replay = self._replay()
+        prepared = (transitions if isinstance(transitions, Prepared)
+                    else self.prepare_insert(transitions))
+        with prepared, self.lock:
+            replay.insert(prepared.batch, prepared.upload)
             counters = replay.counters
-            return InsertResult(rows.size, counters["size"], counters["inserted"],
+            return InsertResult(prepared.batch.size, counters["size"], counters["inserted"],
                                 self.backend.step)
 
     def train_replay(self, steps: int) -> ReplayRun:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from duelq.server.core.backend import Backend
+from duelq.server.core.backend import Backend, Upload
 from duelq.server.core.batch import validate_batch
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument, ReplayNotReady
@@ -455,9 +455,15 @@ class ReplayBuffer(abc.ABC):
     def counters(self) -> dict[str, int]:
         """cursor, size, inserted, sampled, draws."""
 
+    def upload(self, t: Transitions) -> Upload | None:
+        """Start copying validated rows to the device before their insert (thread-safe, as
+        :meth:`Backend.upload`).  None: nothing to do, or no staging space free now."""
+        return None
+
     @abc.abstractmethod
-    def insert(self, t: Transitions) -> None:
-        """Store validated rows at the cursor (:func:`validate_transitions`)."""
+    def insert(self, t: Transitions, upload: Upload | None = None) -> None:
+        """Store validated rows at the cursor (:func:`validate_transitions`), sent ahead by
+        ``upload`` when given."""
 
     @abc.abstractmethod
     def train(self, steps: int) -> ReplayRun:
@@ -513,7 +519,7 @@ class ReferenceReplay(ReplayBuffer):
     def counters(self) -> dict[str, int]:
         return {name: getattr(self.state, name) for name in ReplayState.COUNTERS}
 
-    def insert(self, t: Transitions) -> None:
+    def insert(self, t: Transitions, upload: Upload | None = None) -> None:
         s, C, n = self.state, self.config.replay_capacity, t.size
         rows = (s.cursor + np.arange(n)) % C                             # [n]
         if t.priorities is None:
