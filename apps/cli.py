@@ -410,8 +410,9 @@ def serve(args: argparse.Namespace) -> int:
     from duelq.server.core.config import LearnerConfig
     from duelq.server.core.errors import InvalidArgument, ReplayTooLarge
     from duelq.server.fronts import make_server
-    from duelq.server.server import ServerOptions
+    from duelq.server.server import ServerOptions, tune_malloc
     config, options = from_args(LearnerConfig, args), from_args(ServerOptions, args)
+    tune_malloc()   # before the learner and front processes start: they inherit it
     try:
         server = make_server(options)
     except InvalidArgument as exc:  # an unreadable or empty --token-file

@@ -35,7 +35,7 @@ from duelq.server.core.checkpoint import read_latest
 from duelq.server.core.learner import Learner
 from duelq.server.core.state import LearnerState
 from duelq.server.fronts import start_server
-from duelq.server.server import ServerOptions
+from duelq.server.server import MALLOC_SETTINGS, ServerOptions, tune_malloc
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -342,6 +342,35 @@ def test_a_killed_front_process_leaves_no_socket_folder(monkeypatch, fronts):
     finally:
         served.kill()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_serve_starts_its_processes_with_the_malloc_settings(monkeypatch):
+    """`duelq serve` keeps request-sized buffers in glibc's heap in the learner and front
+    processes it starts (they inherit MALLOC_SETTINGS through the environment)."""
+    for name in MALLOC_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    served = Served(free_port(), "--front-processes", "2")
+    try:
+        served.wait_serving()
+        tasks = Path(f"/proc/{served.process.pid}/task")
+        if not (tasks / str(served.process.pid) / "children").exists():
+            pytest.skip("no /proc/<pid>/task/<tid>/children on this kernel")
+        children = [pid for task in tasks.iterdir()
+                    for pid in (task / "children").read_text().split()]
+        assert len(children) >= 2, children   # the learner process and the second front
+        want = {f"{name}={value}".encode() for name, value in MALLOC_SETTINGS.items()}
+        for pid in children:
+            assert want <= set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")), pid
+    finally:
+        served.stop(signal.SIGTERM)
+
+
+def test_tune_malloc_keeps_a_setting_the_environment_has(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    assert tune_malloc() is True   # glibc
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == str(4 << 20)
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == str(MALLOC_SETTINGS["MALLOC_TRIM_THRESHOLD_"])
 
 
 def test_a_client_killed_mid_stream_costs_only_its_own_stream(make_server):

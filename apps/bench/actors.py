@@ -18,7 +18,8 @@ from duelq.client.client import LearnerClient
 
 from duelq.wire.types import BFLOAT16, Batch, Transitions
 from duelq.apps.bench.base import ACTOR_TIMEOUT_S, BenchError, cpu_seconds
-from duelq.apps.bench.servers import ECHO_PATH, REPLY_BYTES, tune_malloc
+from duelq.apps.bench.servers import ECHO_PATH, REPLY_BYTES
+from duelq.server.server import tune_malloc
 
 
 POOL = 4                             # distinct batches each actor cycles through

@@ -4,8 +4,6 @@ its own, and the in-line instruments (timed backend, lock and interceptor) of se
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import multiprocessing
 import threading
 import time
@@ -23,6 +21,7 @@ from duelq.server.core.learner import Learner
 from duelq.server.core.reference import ReferenceBackend
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server.server import server_args as duelq_server_args
+from duelq.server.server import tune_malloc
 from duelq.server.core.state import LearnerState
 from duelq.apps.bench.base import ACTOR_TIMEOUT_S, BenchError, cpu_seconds
 
@@ -40,25 +39,6 @@ TUNED_OPTIONS = (("grpc.http2.lookahead_bytes", 8 << 20),
                  ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
                  ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
                  ("grpc.experimental.tcp_max_read_chunk_size", 8 << 20))
-
-
-def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
-    """Keep multi-MB buffers in glibc's heap; True when it took effect (the "malloc" cells).
-
-    glibc serves allocations above a dynamic threshold (128 KiB at first) with mmap and
-    trims freed heap tops, so a process that allocates and frees 1 MB messages at a high
-    rate can page-fault every one back in.  Fixing both thresholds (as the environment
-    variables MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ do) reuses the memory.
-    Process-wide and irreversible, hence run in processes of their own.
-    """
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # malloc.h
-    return mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and \
-        mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
 
 
 class NullBackend(ReferenceBackend):
