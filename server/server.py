@@ -244,19 +244,20 @@ MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_":
 
 def tune_malloc() -> bool:
     """Apply :data:`MALLOC_SETTINGS` to this process and, through the environment, to the
-    processes it starts from now on; a value the environment already has is kept.  True
-    when this process's took effect (False off glibc)."""
-    for name, value in MALLOC_SETTINGS.items():
-        os.environ.setdefault(name, str(value))
+    processes it starts from now on.  A setting the environment already has is the user's:
+    glibc read it when this process started, and it is left as it is.  True when glibc's
+    ``mallopt`` took every setting it was given (False off glibc)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-        values = [int(os.environ[name]) for name in MALLOC_SETTINGS]
-    except (OSError, AttributeError, TypeError, ValueError):
+    except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1   # malloc.h
-    return all(mallopt(param, value) == 1
-               for param, value in zip((M_MMAP_THRESHOLD, M_TRIM_THRESHOLD), values))
+    ours = {name: value for name, value in MALLOC_SETTINGS.items() if name not in os.environ}
+    os.environ.update({name: str(value) for name, value in ours.items()})
+    return all(mallopt(_MALLOPT[name], value) == 1 for name, value in ours.items())
+
+
+_MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}   # malloc.h's M_*
 
 
 def add_learner_servicer(servicer, server: grpc.Server) -> None:

@@ -45,7 +45,7 @@ from duelq.server.core.batch import Batch, PackedBatch
 from duelq.server.core.checkpoint import CheckpointError, CheckpointWriter
 from duelq.server.core.errors import (InvalidArgument, LearnerError, NonFiniteStep,
                                       ReplayNotReady, ResourceExhausted)
-from duelq.server.core.learner import Learner, Prepared, StepResult
+from duelq.server.core.learner import Learner, Prepared, PreparedInsert, StepResult
 from duelq.server.core.replay import ReplayRun
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import (insert_request_deserializer, train_request_deserializer,
@@ -303,7 +303,7 @@ class Job:
     Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
     key: pb.RequestKey
-    prepared: Prepared
+    prepared: Prepared | PreparedInsert
 
     def __enter__(self) -> "Job":
         return self

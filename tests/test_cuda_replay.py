@@ -151,7 +151,10 @@ def test_inserts_without_a_free_upload_buffer_store_the_same_bits():
     fill([cuda, busy, ref], rng, case, case.capacity // 4)
     assert_same_buffer(cuda, ref)
     assert_same_buffer(busy, ref)
-    cuda.prepare_insert(transitions(rng, 9, case)).__exit__()
+    assert busy.prepare_insert(transitions(rng, 9, case)).upload is None
+    unused = cuda.prepare_insert(transitions(rng, 9, case))
+    assert unused.upload is not None
+    unused.__exit__()
     assert cuda.backend._free_uploads.qsize() == UPLOAD_BUFFERS
     for buf in held:
         busy.backend._free_uploads.put(buf)

@@ -15,6 +15,7 @@ What is checked, with the reference backend and a sequential replay as the oracl
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -35,7 +36,7 @@ from duelq.server.core.checkpoint import read_latest
 from duelq.server.core.learner import Learner
 from duelq.server.core.state import LearnerState
 from duelq.server.fronts import start_server
-from duelq.server.server import MALLOC_SETTINGS, ServerOptions, tune_malloc
+from duelq.server.server import MALLOC_SETTINGS, ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -365,12 +366,20 @@ def test_serve_starts_its_processes_with_the_malloc_settings(monkeypatch):
         served.stop(signal.SIGTERM)
 
 
-def test_tune_malloc_keeps_a_setting_the_environment_has(monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    assert tune_malloc() is True   # glibc
-    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == str(4 << 20)
-    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == str(MALLOC_SETTINGS["MALLOC_TRIM_THRESHOLD_"])
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_tune_malloc_keeps_a_setting_the_environment_has():
+    """In a process of its own (the settings are process-wide and irreversible)."""
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_SETTINGS}
+    env["MALLOC_MMAP_THRESHOLD_"] = str(4 << 20)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os
+        from duelq.server.server import tune_malloc
+        print(tune_malloc(), os.environ["MALLOC_MMAP_THRESHOLD_"],
+              os.environ["MALLOC_TRIM_THRESHOLD_"])
+        """)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    trim = MALLOC_SETTINGS["MALLOC_TRIM_THRESHOLD_"]
+    assert done.stdout.split() == ["True", str(4 << 20), str(trim)]
 
 
 def test_a_client_killed_mid_stream_costs_only_its_own_stream(make_server):

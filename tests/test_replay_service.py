@@ -109,8 +109,9 @@ def test_inserts_are_read_zero_copy_by_grpc_and_by_the_relay(replay_server, monk
 
 def test_every_inserts_upload_is_given_back(replay_server, monkeypatch):
     """An insert's upload (a device backend's staging, taken before the apply lock) is given
-    back whether its rows are stored or its key's answer is replayed, and in the relay's
-    path as in gRPC's."""
+    back whether its rows are stored or its key's answer is replayed: by gRPC's
+    InsertStream, and by a relayed job's close (the relay closes every job it prepared:
+    tests/test_front.py)."""
     from duelq.server.core.backend import Upload
 
     class Counted(Upload):

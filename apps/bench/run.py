@@ -32,7 +32,7 @@ from duelq.server.core.batch import validate_batch
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.learner import Learner, StepResult, make_backend
 from duelq.server.fronts import make_server, start_server
-from duelq.server.server import MALLOC_SETTINGS, LearnerServer, ServerOptions, tune_malloc
+from duelq.server.server import LearnerServer, ServerOptions, tune_malloc
 from duelq.server.service import decode_batch, train_response
 from duelq.server.core.state import LearnerState
 from duelq.apps.bench.actors import ActorPool, make_batch, make_transitions
@@ -648,8 +648,7 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                     "remote" if plan.target else "in-process")
     if front:
         options = replace(options, host="127.0.0.1", port=0)
-        spared = {name: os.environ.get(name) for name in MALLOC_SETTINGS}
-        tune_malloc()   # its processes run as `duelq serve` runs them
+        tune_malloc()   # its processes run as `duelq serve` runs them (the actors too)
     fronts: LearnerServer | None = None
     bench: Bench | None = None
     started = time.time()
@@ -688,11 +687,6 @@ def run_bench(args: argparse.Namespace, config: LearnerConfig, options: ServerOp
                 fronts = start_server(replay_config(config, plan.batch_sizes[0])
                                       if plan.replay else config, options,
                                       backend=args.backend)
-                for name, value in spared.items():   # the actors run as users' do
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
                 plan = replace(plan, target=fronts.target, transports=("target",))
             bench = Bench(plan, config, options, args.backend, args.ready_timeout)
             bench.start(args.backend)

@@ -169,19 +169,20 @@ class _UploadBuffer:
 
 
 class _Uploaded(Upload):
-    """One batch in an upload buffer, waiting for its step; closing returns the buffer.  Closed unused,
-    it first waits for its copy, which may still be reading the batch's host bytes."""
+    """One batch in an upload buffer, waiting for its step (or an insert's rows, for their
+    insert); closing returns the buffer.  Closed unconsumed, it first waits for its copy,
+    which may still be reading the batch's host bytes."""
 
     def __init__(self, buf: _UploadBuffer, free: "queue.SimpleQueue[_UploadBuffer]"):
         self.buffer: _UploadBuffer | None = buf
-        self.stepped = False   # a step waited for the copy
+        self.consumed = False   # a launch (a step's, an insert's) waited for the copy
         self._free = free
 
     def close(self) -> None:
         buf, self.buffer = self.buffer, None
         if buf is not None:
             try:
-                if not self.stepped:
+                if not self.consumed:
                     buf.copied.synchronize()
             finally:
                 self._free.put(buf)
@@ -514,7 +515,7 @@ class CudaBackend(Backend):
             if not reached:   # a staged copy may still read the caller's memory
                 self.stream.synchronize()
             if upload is not None:   # stepped: nothing reads it; else close waits for it
-                upload.stepped = stepped
+                upload.consumed = stepped
                 upload.close()
         finite, norm2, loss_sum, q_sum, valid = totals
         out = self._outputs.host

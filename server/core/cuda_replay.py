@@ -188,7 +188,7 @@ class CudaReplay(ReplayBuffer):
         finally:
             b.stream.synchronize()   # the staged rows are read (even after a failed launch)
             if upload is not None:   # else its close waits for the copy
-                upload.stepped = waited
+                upload.consumed = waited
         C = self.config.replay_capacity
         c["cursor"], c["size"], c["inserted"] = ((c["cursor"] + n) % C, min(c["size"] + n, C),
                                                  c["inserted"] + n)

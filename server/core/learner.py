@@ -94,25 +94,37 @@ class InsertResult:
     step: int       # steps applied so far (== weights version)
 
 
-@dataclass
-class Prepared:
-    """A validated batch (or an insert's rows), maybe already on its way to the device
-    (:meth:`Learner.prepare`, :meth:`Learner.prepare_insert`).
+class _Staged:
+    """A context manager: leaving it gives unused staging space (its upload) back."""
 
-    A context manager: leaving it gives unused staging space back.
-
-    Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
-    """
-
-    batch: Batch | PackedBatch | Transitions
     upload: Upload | None
 
-    def __enter__(self) -> "Prepared":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         if self.upload is not None:
             self.upload.close()
+
+
+@dataclass
+class Prepared(_Staged):
+    """A validated batch, maybe already on its way to the device (:meth:`Learner.prepare`).
+
+    Read-only by convention; not frozen, being built per request (docs/benchmarks.md).
+    """
+
+    batch: Batch | PackedBatch
+    upload: Upload | None
+
+
+@dataclass
+class PreparedInsert(_Staged):
+    """An insert's validated rows, as the buffer stores them, maybe already on their way to
+    the device (:meth:`Learner.prepare_insert`)."""
+
+    rows: Transitions
+    upload: Upload | None
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -284,24 +296,24 @@ class Learner:
             raise ReplayNotReady("the server-side replay buffer is off (replay_capacity = 0)")
         return self.replay
 
-    def prepare_insert(self, transitions: Transitions) -> Prepared:
+    def prepare_insert(self, transitions: Transitions) -> PreparedInsert:
         """Check every row of ``transitions`` and start their copy to the device; no lock is
         taken, so an insert's checks and copy run beside steps."""
         replay = self._replay()
         rows = validate_transitions(transitions, self.config,
                                     min(self.max_batch_size, self.config.replay_capacity))
-        return Prepared(rows, replay.upload(rows))
+        return PreparedInsert(rows, replay.upload(rows))
 
-    def insert(self, transitions: Transitions | Prepared) -> InsertResult:
+    def insert(self, transitions: Transitions | PreparedInsert) -> InsertResult:
         """Check every row of ``transitions`` (unless prepared), then store them all in the
         replay buffer (a refused insert stores nothing)."""
         replay = self._replay()
-        prepared = (transitions if isinstance(transitions, Prepared)
+        prepared = (transitions if isinstance(transitions, PreparedInsert)
                     else self.prepare_insert(transitions))
         with prepared, self.lock:
-            replay.insert(prepared.batch, prepared.upload)
+            replay.insert(prepared.rows, prepared.upload)
             counters = replay.counters
-            return InsertResult(prepared.batch.size, counters["size"], counters["inserted"],
+            return InsertResult(prepared.rows.size, counters["size"], counters["inserted"],
                                 self.backend.step)
 
     def train_replay(self, steps: int) -> ReplayRun:
