@@ -2,7 +2,8 @@
 # gpu_check.sh — the one command for a GPU machine: the `gpu` tests, the device
 # benchmarks (the step, the replay step), then the Docker image's server model end to
 # end (`duelq bench --front-processes $FRONTS`, B = 1024, 8 actors: TrainStream, TrainStep,
-# and 8 actors inserting into the server-side replay at ratio 8), then a summary.
+# and 8 actors inserting into the server-side replay at ratio 8; the byte-stream echo
+# served by as many processes as fronts, the ceiling), then a summary.
 #
 #   [FRONTS=8] [BACKEND=cuda] [E2E=0: skip the end-to-end part] \
 #       scripts/gpu_check.sh [pytest…]
@@ -39,7 +40,8 @@ BENCH_RC=$(( BENCH_RC || PIPESTATUS[0] ))
 E2E_RC=0 FRONTS=${FRONTS:-8}
 if [ "${E2E:-1}" != 0 ]; then
     timeout 300 "$PY" -m duelq.apps.cli bench --backend "${BACKEND:-cuda}" \
-        --front-processes "$FRONTS" --batch-sizes 1024 --actors 8 --scaling-actors "" \
+        --front-processes "$FRONTS" --echo-processes "$FRONTS" --batch-sizes 1024 \
+        --actors 8 --scaling-actors "" \
         --no-experiments --no-device-step --duration 3 --out "$LOGS/bench-fronts" \
         2>&1 | tee "$LOGS/bench-fronts.log"
     E2E_RC=${PIPESTATUS[0]}
