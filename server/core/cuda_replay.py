@@ -5,8 +5,8 @@ their bits), priorities, leaves, the tree's sums and mins, the write-back's owne
 gathered batch and a run's report.  A buffer that does not fit the device's free memory is
 refused before any of it is allocated (:class:`ReplayTooLarge`).  An insert's rows reach
 the device in one of the backend's upload buffers, copied before the insert takes the
-learner's lock (:meth:`CudaReplay.upload`), or, with none free, through a staging buffer of
-the replay's own at the insert.
+learner's lock (:meth:`CudaReplay.upload`), or, with none free, through the backend's own
+step input buffer at the insert (:meth:`CudaBackend.stage`; the learner's lock is held).
 
 A run of K steps is enqueued on the backend's stream without waiting: per step the draw
 (``replay_sample``: rows, weights, the gather into learner_step's packed inputs), the
@@ -30,7 +30,7 @@ import numpy as np
 from duelq.server.core.batch import packed_layout
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.backend import Upload
-from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Staging, _Uploaded,
+from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Uploaded,
                                     kernel_source)
 from duelq.server.core.errors import ReplayTooLarge
 from duelq.server.core.native import CommitArgs, InsertArgs
@@ -109,7 +109,6 @@ class CudaReplay(ReplayBuffer):
             self._ticket = cp.zeros(1, np.uint32)
             self._report = cp.zeros(8 + 24 * RUN_STEPS, np.uint8)  # control [2] u32, stats
         stream.synchronize()
-        self._staging = _Staging()           # an insert's packed rows
         self._counters = dict(cursor=0, size=0, inserted=0, sampled=0, draws=0)
 
     def _compile(self) -> None:
@@ -171,16 +170,16 @@ class CudaReplay(ReplayBuffer):
         return self.backend.upload(_packable(t))
 
     def insert(self, t: Transitions, upload: Upload | None = None) -> None:
-        """Store the rows that ``upload`` brought to the device (without one, pack and copy
-        them here); return once the insert has run, its staging free again."""
+        """Store the rows that ``upload`` brought to the device (without one, stage them as a
+        step's batch is); return once the insert has run, its staging free again."""
         b, c, n = self.backend, self._counters, t.size
         buf = upload.buffer if type(upload) is _Uploaded else None
         waited = False   # the stream waits for the upload's copy
         try:
             with b.stream:
                 if buf is None:
-                    self._staging.upload(self._staging.pack(_packable(t)), b.stream)
-                    staged = self._staging.device_ptr
+                    b.stage(_packable(t))   # into the step's own input buffer
+                    staged = b._inputs.device_ptr
                 else:
                     b.stream.wait_event(buf.copied)
                     staged, waited = buf.staging.device_ptr, True
