@@ -54,12 +54,13 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
     run = learner.train_replay(3)
     assert (run.steps, run.refused) == (3, False), run
     G = backend.grid(B)[0]
+    replay._commit_for(G)
     draws = iter(range(10 ** 9))
 
     def replay_step() -> None:   # a run's slot 0 each time: the figures are not read
         replay._launch_sample(next(draws))
         replay._launch_step(B)
-        replay._launch_commit(0, G)
+        replay._launch_commit(0)
 
     def plain_step() -> None:
         backend.launch(B, True, replay._gathered, replay._kind)
@@ -68,7 +69,7 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
         replay._launch_sample(next(draws))
 
     def commit() -> None:        # the last step's outputs, committed again
-        replay._launch_commit(0, G)
+        replay._launch_commit(0)
 
     with backend.stream:
         replay_us = timer.device_us(backend.stream, replay_step)

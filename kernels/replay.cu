@@ -201,25 +201,42 @@ __device__ __forceinline__ unsigned long long owner_mark(unsigned long long mark
 }
 
 // ---- replay_sample ---------------------------------------------------------------------
+// Its arguments in one struct (server/core/native.py reads it), so that the host fills one
+// in place and changes three fields a draw.
+struct SampleArgs {
+    const float* leaves;        // [32 n_1] p^α
+    const double* sums;         // tree levels 1..D
+    const float* mins;
+    const unit_t* rows_t;       // [C] rows of ROW_UNITS
+    const unit_t* rows_tp1;
+    const int* actions;         // [C]
+    const float* rewards;       // [C]
+    const float* dones;         // [C]
+    const float* discounts;     // [C]
+    int* drawn;                 // [B] rows drawn
+    unsigned long long* owner;  // [C] owner marks
+    unit_t* packed;             // learner_step's packed inputs, weights present
+    unsigned long long draw;    // the draw's number (the Philox counter's high words)
+    unsigned long long mark;    // the draw's owner mark
+    double beta;                // β of the importance weights
+    unsigned int key0, key1;    // the Philox key (replay_seed's low and high words)
+    int batch;                  // B
+};
+
 // Grid: ceil(B / (THREADS / 32)) blocks of THREADS; warp w of the grid draws row b = w.
-extern "C" __global__ void __launch_bounds__(THREADS)
-replay_sample(const float* __restrict__ leaves, const double* __restrict__ sums,
-              const float* __restrict__ mins, const unit_t* __restrict__ rows_t,
-              const unit_t* __restrict__ rows_tp1, const int* __restrict__ actions,
-              const float* __restrict__ rewards, const float* __restrict__ dones,
-              const float* __restrict__ discounts, unsigned long long draw, unsigned int key0,
-              unsigned int key1, double beta, int batch, unsigned long long mark,
-              int* __restrict__ drawn, unsigned long long* __restrict__ owner,
-              unit_t* __restrict__ packed) {
+// The buffer and the tree are read through the read-only cache (__ldg: the loads from a
+// struct's pointers would not be).
+extern "C" __global__ void __launch_bounds__(THREADS) replay_sample(const SampleArgs a) {
     const int lane = threadIdx.x & 31;
     const int b = (int)(((long long)blockIdx.x * THREADS + threadIdx.x) >> 5);
+    const int batch = a.batch;
     if (b >= batch) return;  // whole warps: b is the same in every lane of one
-    const double total = sums[tree_offset[TREE_DEPTH]];
-    double mass = __dmul_rn(draw_uniform(draw, b, key0, key1), total);
+    const double total = __ldg(&a.sums[tree_offset[TREE_DEPTH]]);
+    double mass = __dmul_rn(draw_uniform(a.draw, b, a.key0, a.key1), total);
     long long node = 0;
     for (int k = TREE_DEPTH - 1; k >= 0; --k) {  // the children of `node` are at level k
         const long long at = node * FANOUT + lane;
-        const double c = k == 0 ? (double)leaves[at] : sums[tree_offset[k] + at];
+        const double c = k == 0 ? (double)__ldg(&a.leaves[at]) : __ldg(&a.sums[tree_offset[k] + at]);
         double prefix = c;  // inclusive prefix sum, Hillis–Steele
 #pragma unroll
         for (int d = 1; d < FANOUT; d <<= 1) {
@@ -236,20 +253,23 @@ replay_sample(const float* __restrict__ leaves, const double* __restrict__ sums,
     const long long row = node;
     // Packed inputs (server/core/batch.py packed_layout): h_t [B] rows | h_tp1 [B] rows |
     // actions | rewards | dones | discounts | weights, each [B] of 32-bit words.
+    unit_t* packed = a.packed;
     for (int u = lane; u < ROW_UNITS; u += 32) {
-        packed[(size_t)b * ROW_UNITS + u] = rows_t[(size_t)row * ROW_UNITS + u];
-        packed[((size_t)batch + b) * ROW_UNITS + u] = rows_tp1[(size_t)row * ROW_UNITS + u];
+        packed[(size_t)b * ROW_UNITS + u] = __ldg(&a.rows_t[(size_t)row * ROW_UNITS + u]);
+        packed[((size_t)batch + b) * ROW_UNITS + u] =
+            __ldg(&a.rows_tp1[(size_t)row * ROW_UNITS + u]);
     }
     if (lane == 0) {
         float* tail = reinterpret_cast<float*>(packed + 2 * (size_t)batch * ROW_UNITS);
-        const double ratio = __ddiv_rn((double)mins[tree_offset[TREE_DEPTH]], (double)leaves[row]);
-        reinterpret_cast<int*>(tail)[b] = actions[row];
-        tail[batch + b] = rewards[row];
-        tail[2 * batch + b] = dones[row];
-        tail[3 * batch + b] = discounts[row];
-        tail[4 * batch + b] = (float)pow(ratio, beta);
-        drawn[b] = (int)row;
-        atomicMax(owner + row, owner_mark(mark, b));
+        const double ratio = __ddiv_rn((double)__ldg(&a.mins[tree_offset[TREE_DEPTH]]),
+                                       (double)__ldg(&a.leaves[row]));
+        reinterpret_cast<int*>(tail)[b] = __ldg(&a.actions[row]);
+        tail[batch + b] = __ldg(&a.rewards[row]);
+        tail[2 * batch + b] = __ldg(&a.dones[row]);
+        tail[3 * batch + b] = __ldg(&a.discounts[row]);
+        tail[4 * batch + b] = (float)pow(ratio, a.beta);
+        a.drawn[b] = (int)row;
+        atomicMax(a.owner + row, owner_mark(a.mark, b));
     }
 }
 

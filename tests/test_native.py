@@ -184,9 +184,10 @@ def test_copy_and_step_against_a_stand_in_driver(cache, tmp_path):
     (native.SOURCE.read_text(), "duelq_upload", native.UploadCall),
     (native.SOURCE.read_text(), "duelq_step", native.StepCall),
     (kernel_source("learner_step.cu"), "StepArgs", native.StepArgs),
+    (kernel_source("replay.cu"), "SampleArgs", native.SampleArgs),
     (kernel_source("replay.cu"), "CommitArgs", native.CommitArgs),
     (kernel_source("replay.cu"), "InsertArgs", native.InsertArgs),
-], ids=["duelq_upload", "duelq_step", "StepArgs", "CommitArgs", "InsertArgs"])
+], ids=["duelq_upload", "duelq_step", "StepArgs", "SampleArgs", "CommitArgs", "InsertArgs"])
 def test_ctypes_structs_lay_out_as_the_c_compiler_does(source, name, ctype, tmp_path):
     """Each struct that crosses into C is read from its C source; the C compiler, given the
     same text, puts every field at the offset ctypes does, and the sizes agree."""

@@ -13,9 +13,11 @@ A run of K steps is enqueued on the backend's stream without waiting: per step t
 backend's own ``learner_step`` launch on them, and ``replay_commit``, which applies the
 step on the device (the proposed state copied over the current one, priorities written
 back, the tree updated) or, for a non-finite step, marks the run halted, after which the
-run's remaining steps change nothing.  One copy back and one sync per run of at most
-:data:`RUN_STEPS` steps bring the steps committed, whether the run halted, and each step's
-loss, mean Q and gradient norm.  No other host round trip: a step's decision is the
+run's remaining steps change nothing.  The draw's and the commit's arguments are structs
+filled in place (a run fills the commit's once; a step sets three fields of each), so a
+step's three launches cost the host little more than the driver's calls.  One copy back
+and one sync per run of at most :data:`RUN_STEPS` steps bring the steps committed, whether
+the run halted, and each step's loss, mean Q and gradient norm.  No other host round trip: a step's decision is the
 device's, made as the host's :meth:`CudaBackend.propose` would make it.
 
 The draws, weights, priorities and tree are those of :class:`ReferenceReplay` bit for bit
@@ -24,8 +26,11 @@ The draws, weights, priorities and tree are those of :class:`ReferenceReplay` bi
 
 from __future__ import annotations
 
+import ctypes
+
 import cupy as cp
 import numpy as np
+from cupy_backends.cuda.api import driver
 
 from duelq.server.core.batch import packed_layout
 from duelq.server.core.config import LearnerConfig
@@ -33,7 +38,7 @@ from duelq.server.core.backend import Upload
 from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Uploaded,
                                     kernel_source)
 from duelq.server.core.errors import ReplayTooLarge
-from duelq.server.core.native import CommitArgs, InsertArgs
+from duelq.server.core.native import CommitArgs, InsertArgs, SampleArgs
 from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, ReplayState,
                                       SumTree, beta_at, replay_bytes, tree_layout, tree_levels)
 from duelq.wire.types import Batch, Transitions
@@ -47,6 +52,11 @@ def _packable(t: Transitions) -> Batch:
     """An insert's rows as the batch whose packed layout replay_insert reads (priorities in
     the weights' place)."""
     return Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts, t.priorities)
+
+
+def _params(args: ctypes.Structure) -> ctypes.Array:
+    """A kernel's parameter array whose one parameter is ``args`` (keep it with ``args``)."""
+    return (ctypes.c_void_p * 1)(ctypes.addressof(args))
 
 
 def tree_blocks(rows: int, max_blocks: int) -> int:
@@ -109,6 +119,17 @@ class CudaReplay(ReplayBuffer):
             self._ticket = cp.zeros(1, np.uint32)
             self._report = cp.zeros(8 + 24 * RUN_STEPS, np.uint8)  # control [2] u32, stats
         stream.synchronize()
+        seed = config.replay_seed
+        self._sample_args = SampleArgs(   # a draw sets draw, mark and beta
+            leaves=self._leaves.data.ptr, sums=self._sums.data.ptr, mins=self._mins.data.ptr,
+            rows_t=self._h_t.data.ptr, rows_tp1=self._h_tp1.data.ptr,
+            actions=self._actions.data.ptr, rewards=self._rewards.data.ptr,
+            dones=self._dones.data.ptr, discounts=self._discounts.data.ptr,
+            drawn=self._drawn.data.ptr, owner=self._owner.data.ptr,
+            packed=self._gathered.data.ptr, key0=seed & _WORD, key1=seed >> 32, batch=B)
+        self._sample_params = _params(self._sample_args)
+        self._commit_args = CommitArgs()     # filled in once a run (_commit_for)
+        self._commit_params = _params(self._commit_args)
         self._counters = dict(cursor=0, size=0, inserted=0, sampled=0, draws=0)
 
     def _compile(self) -> None:
@@ -244,6 +265,7 @@ class CudaReplay(ReplayBuffer):
         enqueue fails."""
         b, c, B = self.backend, self._counters, self.config.replay_batch_size
         start, report = b._step, self._report
+        self._commit_for(G)
         try:
             with b.stream:
                 cp.cuda.runtime.memsetAsync(report.data.ptr, 0, 8, b.stream.ptr)
@@ -251,7 +273,7 @@ class CudaReplay(ReplayBuffer):
                     self._launch_sample(c["draws"] + j)
                     b._step = start + j          # _fill_args numbers the step t = _step + 1
                     self._launch_step(B)
-                    self._launch_commit(j, G)
+                    self._launch_commit(j)
         finally:
             host = report.get(stream=b.stream)   # waits for the run
             control = host[:8].view(np.uint32)
@@ -264,14 +286,12 @@ class CudaReplay(ReplayBuffer):
     def _launch_sample(self, draw: int) -> None:
         """replay_sample of draw ``draw`` into the gathered batch, under the next owner mark
         (the one the following :meth:`_launch_commit` reads)."""
-        B, seed = self.config.replay_batch_size, self.config.replay_seed
+        a = self._sample_args
         self._mark += 1
-        self._sample((-(-B // (THREADS // 32)),), (THREADS,), (
-            self._leaves, self._sums, self._mins, self._h_t, self._h_tp1, self._actions,
-            self._rewards, self._dones, self._discounts, np.uint64(draw),
-            np.uint32(seed & _WORD), np.uint32(seed >> 32),
-            np.float64(beta_at(self.config, draw)), np.int32(B), np.uint64(self._mark),
-            self._drawn, self._owner, self._gathered))
+        a.draw, a.mark, a.beta = draw, self._mark, beta_at(self.config, draw)
+        driver.launchKernel(self._sample.kernel.ptr, -(-a.batch // (THREADS // 32)), 1, 1,
+                            THREADS, 1, 1, 0, self.backend.stream.ptr,
+                            ctypes.addressof(self._sample_params), 0)
 
     def _launch_step(self, B: int) -> None:
         """The backend's learner_step on the gathered batch (weights present)."""
@@ -280,21 +300,30 @@ class CudaReplay(ReplayBuffer):
         b._fill_args(B, R, True, self._gathered.data.ptr)
         b._launch(b._steps[self._kind][tile], G)
 
-    def _launch_commit(self, index: int, G: int) -> None:
-        """replay_commit of the step just launched on G blocks, step ``index`` of the run."""
+    def _commit_for(self, G: int) -> None:
+        """Fill in replay_commit's arguments for steps launched on G blocks, but for those
+        :meth:`_launch_commit` sets (the device commits a step by copying its state over
+        the current copy: the copies stay where they are for a whole run)."""
         b, config = self.backend, self.config
         now, proposed = b._states[b._cur], b._states[1 - b._cur]
-        args = CommitArgs(
-            out=b._outputs.device_ptr, next=proposed.params.data.ptr, state=now.params.data.ptr,
-            isv_next=proposed.isv.data.ptr, isv=now.isv.data.ptr,
-            observed_next=proposed.observed.data.ptr, observed=now.observed.data.ptr,
-            drawn=self._drawn.data.ptr, owner=self._owner.data.ptr,
-            priorities=self._priorities.data.ptr, leaves=self._leaves.data.ptr,
-            sums=self._sums.data.ptr, mins=self._mins.data.ptr,
-            max_priority=self._max_priority.data.ptr, control=self._report.data.ptr,
-            stats=self._report.data.ptr + 8, arrivals=self._arrivals.data.ptr,
-            ticket=self._ticket.data.ptr, mark=self._mark, alpha=config.replay_alpha,
-            barrier=self._barriers(self._tree_barriers), batch=config.replay_batch_size,
-            step_blocks=G, isv_size=config.isv_size, stats_row=index)
-        b._launch_cooperative(self._commit, self._blocks(config.replay_batch_size), THREADS,
-                              0, args)
+        a = self._commit_args
+        a.out, a.next, a.state = (b._outputs.device_ptr, proposed.params.data.ptr,
+                                  now.params.data.ptr)
+        a.isv_next, a.isv = proposed.isv.data.ptr, now.isv.data.ptr
+        a.observed_next, a.observed = proposed.observed.data.ptr, now.observed.data.ptr
+        a.drawn, a.owner, a.priorities = (self._drawn.data.ptr, self._owner.data.ptr,
+                                          self._priorities.data.ptr)
+        a.leaves, a.sums, a.mins = self._leaves.data.ptr, self._sums.data.ptr, self._mins.data.ptr
+        a.max_priority = self._max_priority.data.ptr
+        a.control, a.stats = self._report.data.ptr, self._report.data.ptr + 8
+        a.arrivals, a.ticket = self._arrivals.data.ptr, self._ticket.data.ptr
+        a.alpha, a.batch, a.step_blocks = config.replay_alpha, config.replay_batch_size, G
+        a.isv_size = config.isv_size
+
+    def _launch_commit(self, index: int) -> None:
+        """replay_commit of the step just launched, step ``index`` of the run."""
+        a = self._commit_args
+        a.mark, a.barrier, a.stats_row = self._mark, self._barriers(self._tree_barriers), index
+        driver.launchCooperativeKernel(self._commit.kernel.ptr, self._blocks(a.batch), 1, 1,
+                                       THREADS, 1, 1, 0, self.backend.stream.ptr,
+                                       ctypes.addressof(self._commit_params))

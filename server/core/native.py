@@ -87,6 +87,7 @@ def c_struct(text: str, name: str) -> type[ctypes.Structure]:
 UploadCall = c_struct(SOURCE.read_text(), "duelq_upload")
 StepCall = c_struct(SOURCE.read_text(), "duelq_step")
 StepArgs = c_struct(kernel_source("learner_step.cu"), "StepArgs")
+SampleArgs = c_struct(kernel_source("replay.cu"), "SampleArgs")
 CommitArgs = c_struct(kernel_source("replay.cu"), "CommitArgs")
 InsertArgs = c_struct(kernel_source("replay.cu"), "InsertArgs")
 
