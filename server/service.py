@@ -519,12 +519,16 @@ class LearnerService(pb_grpc.LearnerServicer):
             raise InvalidArgument("request", undecodable(method, exc)) from None
         return self.prepare_insert(request) if insert else self.prepare_train(request)
 
-    def relay_prepare_packed(self, packed: PackedBatch, key_bytes: bytes) -> TrainJob:
-        """:meth:`prepare_train` of a relayed request that a front process packed: its
-        arrays in the packed layout, and its key's wire bytes."""
+    def relay_prepare_packed(self, packed: PackedBatch, key_bytes: bytes,
+                             method: str = "TrainStream") -> TrainJob | InsertJob:
+        """:meth:`prepare_train` (or :meth:`prepare_insert`) of a relayed request of
+        ``method`` that a front process packed: its arrays in the packed layout (an
+        insert's priorities in the weights' place), and its key's wire bytes."""
         learner = self.learner   # NotServing before attach
         key = pb.RequestKey.FromString(key_bytes)   # the front parsed it
         self._check_train_key(key)
+        if method == "InsertStream":
+            return InsertJob(key, learner.prepare_insert(packed))
         return TrainJob(key, learner.prepare_packed(packed), key_bytes)
 
     def call_relayed(self, name: str, request: bytes, context) -> bytes:

@@ -66,7 +66,7 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, what: str = "
 class RelayWork:
     """A relay.RelayService whose work is the functions given: ``prepare(data, method)``,
     ``apply(job, call)``, ``refuse(exc, method)`` (default: INTERNAL, the exception's
-    words), ``prepare_packed(packed, key)`` and ``call(method, request, call)`` (default:
+    words), ``prepare_packed(packed, key, method)`` and ``call(method, request, call)`` (default:
     refused); it counts what the metrics would."""
 
     def __init__(self, prepare, apply, refuse=None, *, prepare_packed=None, call=None):
@@ -78,10 +78,10 @@ class RelayWork:
     def prepare(self, request, method):
         return self._prepare(request, method)
 
-    def prepare_packed(self, packed, key):
+    def prepare_packed(self, packed, key, method):
         if self._prepare_packed is None:
             raise RuntimeError("a packed request reached a relay that takes none")
-        return self._prepare_packed(packed, key)
+        return self._prepare_packed(packed, key, method)
 
     def apply(self, job, call):
         return self._apply(job, call)

@@ -160,6 +160,27 @@ def test_inserts_without_a_free_upload_buffer_store_the_same_bits():
         busy.backend._free_uploads.put(buf)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=str)
+def test_packed_inserts_store_the_reference_bits(case):
+    """Rows a front packed (priorities in the weights' place) are copied to the device as
+    they lie where the buffer stores their dtype, and store what the reference does."""
+    from duelq.server.core.batch import PackedBatch, packed_layout
+    cuda, ref = learners(case)
+    rng = np.random.default_rng(22)
+    for n in sorted({1, min(7, case.capacity), min(case.B, case.capacity)}):
+        t = transitions(rng, n, case, priorities=True)
+        pool = np.zeros(4 * packed_layout(n, case.H, t.h_t.dtype.itemsize, True)[1], np.uint8)
+        raw = packed(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts,
+                           t.priorities))
+        pool[:len(raw)] = np.frombuffer(raw, np.uint8)
+        prepared = cuda.prepare_insert(PackedBatch(n, case.H, t.h_t.dtype, True, len(pool) // 4,
+                                                   memoryview(pool), pool.ctypes.data))
+        assert prepared.upload is not None
+        cuda.insert(prepared)
+        ref.insert(t)
+        assert_same_buffer(cuda, ref)
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_draws_are_the_references_rows_weights_and_bytes(case):
     cuda, ref = learners(case)

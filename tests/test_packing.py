@@ -4,6 +4,7 @@ and a request that does not pack must go as it came."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -281,7 +282,7 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
         seen.append(("bytes", bytes(data)))
         return types.SimpleNamespace(close=lambda: None)
 
-    def prepare_packed(packed, key):
+    def prepare_packed(packed, key, method):
         seen.append(("packed", packed.batch(), pb.RequestKey.FromString(key)))
         return types.SimpleNamespace(close=lambda: None)
 
@@ -312,6 +313,43 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
         else:   # refused at the first: the stream's later requests are not applied
             assert answers == [(grpc.StatusCode.INTERNAL,
                                 b"a packed request reached a relay that takes none")] * 3
+
+
+def test_an_insert_streams_requests_pack_as_train_requests_do():
+    """An InsertStream's request (TrainRequest's framing, priorities in field 7) packs in the
+    front as a train request does and reaches prepare_packed with its method, priorities in
+    the weights' place."""
+    from duelq.client.client import INSERT_FIELDS, _transition_arrays, _wire_request
+    from duelq.wire.types import Transitions
+    rng = np.random.default_rng(9)
+    batch = random_batch(rng, 4)
+    priorities = rng.uniform(0.5, 2.0, 4).astype(np.float32)
+    t = Transitions(batch.h_t, batch.h_tp1, batch.actions, batch.rewards, batch.dones,
+                    batch.discounts, priorities)
+    data = _wire_request(_transition_arrays(t, "float32"), "a", 1, INSERT_FIELDS)
+    seen: list = []
+
+    def prepare_packed(packed, key, method):
+        seen.append((method, packed.batch(), pb.RequestKey.FromString(key)))
+        return types.SimpleNamespace(close=lambda: None)
+    learner_end, front_end = socket.socketpair()
+    buffers = BufferPool(2, 2048)
+    learner = RelayLearner(learner_end, buffers, RelayWork(
+        lambda *a: pytest.fail("an insert that packs went as its bytes"),
+        lambda job, call: b"ok", prepare_packed=prepare_packed))
+    learner.start()
+    front = RelayFront(front_end, buffers, Packer().pack)
+    try:
+        stream = front.open(method="InsertStream", deadline=None)
+        assert stream.submit(data) is None
+        assert replies(stream, 1) == [(grpc.StatusCode.OK, b"ok")]
+        stream.close()
+    finally:
+        front.close()
+        learner.close()
+    [(method, got, key)] = seen
+    assert method == "InsertStream" and key == pb.RequestKey(actor_id="a", seq=1)
+    _same_arrays(got, dataclasses.replace(batch, weights=priorities))
 
 
 @pytest.mark.parametrize("op, buffer, size", [("PACKED", 7, 10), ("PACKED", -2, 10),

@@ -136,6 +136,47 @@ def test_every_inserts_upload_is_given_back(replay_server, monkeypatch):
     assert replay_server.learner.replay.size == 3 + 3 + 2
 
 
+@pytest.mark.parametrize("wire", ["float32", "float16"])
+def test_a_packed_insert_is_stored_and_refused_as_its_bytes_are(make_server, monkeypatch, wire):
+    """An insert a front packed (relay_prepare_packed) stores what its bytes do
+    (relay_prepare) and is refused naming the same field; its packed words go to the
+    replay's upload as they lie only where the buffer stores them as they came (float32
+    here: float16 rows are widened first)."""
+    from duelq.server.core.batch import PackedBatch
+    from duelq.server.fronts.packing import Packer, read_packed
+    packed_server, bytes_server = make_server(CONFIG), make_server(CONFIG)
+    uploaded = []
+    replay = packed_server.learner.replay
+    monkeypatch.setattr(replay, "upload", lambda t: uploaded.append(type(t)))
+    rng = np.random.default_rng(14)
+    good = rows(rng, 6, priorities=rng.uniform(0.5, 2, 6).astype(np.float32))
+    bad = dataclasses.replace(rows(rng, 3), priorities=np.array([1, 0, 1], np.float32))
+    if wire == "float16":
+        good = dataclasses.replace(good, h_t=good.h_t.astype(np.float16),
+                                   h_tp1=good.h_tp1.astype(np.float16))
+    answers = {}
+    for seq, t in ((1, good), (2, bad)):
+        data = _wire_request(_transition_arrays(t, wire), "actor-p", seq, INSERT_FIELDS)
+        buffer = np.zeros(1 << 16, np.uint8)
+        descriptor = Packer().pack(data, buffer)
+        assert descriptor is not None
+        for server, prepare in (
+                (packed_server, lambda s: s.relay_prepare_packed(*read_packed(
+                    descriptor, memoryview(buffer), buffer.ctypes.data), "InsertStream")),
+                (bytes_server, lambda s: s.relay_prepare(memoryview(data), "InsertStream"))):
+            try:
+                with prepare(server.service) as job:
+                    answer = server.service.apply_insert(job, None)
+                answers.setdefault(seq, []).append((answer.rows, answer.size))
+            except Exception as exc:  # noqa: BLE001 — compared as the client would see it
+                answers.setdefault(seq, []).append(str(exc))
+    assert answers[1] == [(6, 6), (6, 6)]
+    assert answers[2][0] == answers[2][1] and answers[2][0].startswith("priorities")
+    assert uploaded == [PackedBatch if wire == "float32" else Transitions]
+    assert (packed_server.learner.replay_snapshot().checksum()
+            == bytes_server.learner.replay_snapshot().checksum())
+
+
 def insert_good_bad_more(server, rng: np.random.Generator, actor: str) -> None:
     """Stream a good insert, one whose actions are out of range, then another good one:
     the stream ends INVALID_ARGUMENT naming actions after answering the first only."""

@@ -32,7 +32,7 @@ import cupy as cp
 import numpy as np
 from cupy_backends.cuda.api import driver
 
-from duelq.server.core.batch import packed_layout
+from duelq.server.core.batch import PackedBatch, packed_layout
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.backend import Upload
 from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Uploaded,
@@ -187,8 +187,8 @@ class CudaReplay(ReplayBuffer):
         self._counters = {name: getattr(state, name) for name in ReplayState.COUNTERS}
 
     # ---- inserts ------------------------------------------------------------------------
-    def upload(self, t: Transitions) -> Upload | None:
-        return self.backend.upload(_packable(t))
+    def upload(self, t: Transitions | PackedBatch) -> Upload | None:
+        return self.backend.upload(t if type(t) is PackedBatch else _packable(t))
 
     def insert(self, t: Transitions, upload: Upload | None = None) -> None:
         """Store the rows that ``upload`` brought to the device (without one, stage them as a

@@ -296,13 +296,21 @@ class Learner:
             raise ReplayNotReady("the server-side replay buffer is off (replay_capacity = 0)")
         return self.replay
 
-    def prepare_insert(self, transitions: Transitions) -> PreparedInsert:
+    def prepare_insert(self, transitions: Transitions | PackedBatch) -> PreparedInsert:
         """Check every row of ``transitions`` and start their copy to the device; no lock is
-        taken, so an insert's checks and copy run beside steps."""
+        taken, so an insert's checks and copy run beside steps.  Rows a front process
+        packed (priorities in the weights' place) that the buffer stores as they came are
+        copied as they lie."""
         replay = self._replay()
+        packed = transitions if type(transitions) is PackedBatch else None
+        if packed is not None:
+            b = packed.batch()
+            transitions = Transitions(b.h_t, b.h_tp1, b.actions, b.rewards, b.dones,
+                                      b.discounts, b.weights)
         rows = validate_transitions(transitions, self.config,
                                     min(self.max_batch_size, self.config.replay_capacity))
-        return PreparedInsert(rows, replay.upload(rows))
+        as_they_came = packed is not None and rows.h_t.dtype == packed.dtype
+        return PreparedInsert(rows, replay.upload(packed if as_they_came else rows))
 
     def insert(self, transitions: Transitions | PreparedInsert) -> InsertResult:
         """Check every row of ``transitions`` (unless prepared), then store them all in the

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from duelq.server.core.backend import Backend, Upload
-from duelq.server.core.batch import validate_batch
+from duelq.server.core.batch import PackedBatch, validate_batch
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument, ReplayNotReady
 from duelq.wire.types import BFLOAT16, Batch, ReplayInfo, Transitions
@@ -455,9 +455,10 @@ class ReplayBuffer(abc.ABC):
     def counters(self) -> dict[str, int]:
         """cursor, size, inserted, sampled, draws."""
 
-    def upload(self, t: Transitions) -> Upload | None:
-        """Start copying validated rows to the device before their insert (thread-safe, as
-        :meth:`Backend.upload`).  None: nothing to do, or no staging space free now."""
+    def upload(self, t: Transitions | PackedBatch) -> Upload | None:
+        """Start copying validated rows (or the packed words of rows stored as they came)
+        to the device before their insert (thread-safe, as :meth:`Backend.upload`).  None:
+        nothing to do, or no staging space free now."""
         return None
 
     @abc.abstractmethod

@@ -6,8 +6,8 @@ turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
 
 * a front process binds the public port and serves health, reflection and the
   :class:`~duelq.server.gate.Gate` (token, rpc places, receive deadlines).  TrainStep,
-  TrainStream and InsertStream requests go into a shared-memory buffer (a train request's
-  arrays already in the step kernel's input layout where their dtypes and shapes allow,
+  TrainStream and InsertStream requests go into a shared-memory buffer (their arrays
+  already in the step kernel's input layout where their dtypes and shapes allow,
   server/fronts/packing.py; else the bytes as they came), and a frame tells the learner
   process (server/fronts/relay.py).  A stream's requests are read and sent on by a thread of
   their own while its handler writes the answers; up to :data:`STREAM_DEPTH` are at the
@@ -714,8 +714,9 @@ class RelayedService:
     def prepare(self, request: memoryview, method: str) -> TrainJob | InsertJob:
         return self._service.relay_prepare(request, method)
 
-    def prepare_packed(self, packed: PackedBatch, key: bytes) -> TrainJob:
-        return self._service.relay_prepare_packed(packed, key)
+    def prepare_packed(self, packed: PackedBatch, key: bytes, method: str
+                       ) -> TrainJob | InsertJob:
+        return self._service.relay_prepare_packed(packed, key, method)
 
     def apply(self, job: TrainJob | InsertJob, call: RelayCall) -> bytes:
         if type(job) is InsertJob:

@@ -1,4 +1,5 @@
-"""Train requests packed by the front process, for the learner process to copy as they are.
+"""Train and insert requests packed by the front process, for the learner process to copy
+as they are.
 
 With ``--front-processes`` the learner process's one relay thread is the server's serial
 path (server/fronts/relay.py).  A request's bytes pass through a front anyway, so the front
@@ -10,7 +11,9 @@ parses nothing and copies the buffer's words to the device in one call
 A request packs when its framing is canonical (server/framing.py) and its fields have dtypes
 and shapes every learner takes as they are: h_t and h_tp1 [B, H] of one feature dtype,
 actions int32 [B], rewards, dones, discounts and (optional) weights float32 [B], and a key
-that parses.  Anything else goes as it came, to the learner's own checks and refusals (the
+that parses.  An InsertStream request has TrainRequest's framing with field 7 named
+priorities, so it packs the same way, its priorities in the weights' place; a replay buffer
+that stores its rows as they came copies the packed words to the device as they lie.  Anything else goes as it came, to the learner's own checks and refusals (the
 learner packs it on the host: the device sees one input form; relay.py says why that
 path stays).  The learner checks what a front cannot know (H, the batch size limit) and
 words a refusal as for the unpacked bytes.
@@ -113,7 +116,8 @@ def _plan(data: bytes) -> tuple[object, _Plan | None]:
 
 
 class Packer:
-    """A front process's packing of train requests into relay buffers (thread-safe).
+    """A front process's packing of train and insert requests into relay buffers
+    (thread-safe).
 
     ``stream_copy`` (server/core/native.py's): where :meth:`pack` is given the buffer's address and
     the request as ``bytes``, arrays of :data:`STREAM_MIN_BYTES` or more are written with

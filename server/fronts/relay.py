@@ -21,9 +21,8 @@ carries fixed-size frames:
                       size, then the payload (the response's bytes, or the error details
                       as UTF-8)
 
-PACKED is the usual train request.  REQ stays for the requests a front cannot pack (an
-InsertStream's rows go as they came; the learner parses them), which the
-learner process must see as they came: those it will refuse (so the one service code
+PACKED is the usual train or insert request.  REQ stays for the requests a front cannot
+pack, which the learner process must see as they came: those it will refuse (so the one service code
 words the refusal, in its order of checks: drain and key before the arrays), those in a
 wire form that needs converting (non-canonical framing, uint8 actions, bool dones,
 float16 rewards …: the learner's own decode does that, not a second copy of it in the
@@ -68,8 +67,8 @@ log = logging.getLogger(__name__)
 
 OPEN, REQ, END, REFUSED, PACKED, CALL = 1, 2, 3, 4, 5, 6
 #: The rpcs whose requests go through the relay as a stream's (OPEN names one by index).
-#: Only train requests are packed, and only they count in the train metrics (queue depth,
-#: open TrainStreams, each front's relayed requests), as with one process.
+#: Only train requests count in the train metrics (queue depth, open TrainStreams, each
+#: front's relayed requests), as with one process.
 STREAMED = ("TrainStream", "TrainStep", "InsertStream")
 TRAIN = ("TrainStream", "TrainStep")
 _FRAME = struct.Struct("<BxxxIiId")     # op, stream, buffer, size, deadline (0: none)
@@ -164,8 +163,8 @@ class FrontStream:
     order (the handler may put its own items there too, gate.StreamReader's)."""
 
     def __init__(self, relay: "RelayFront", sid: int, deadline: float | None,
-                 queue_places: Tally | None, packable: bool):
-        self._relay, self.sid, self._packable = relay, sid, packable
+                 queue_places: Tally | None):
+        self._relay, self.sid = relay, sid
         self._deadline = deadline or 0.0
         self._queue = queue_places   # None: not counted
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -194,8 +193,7 @@ class FrontStream:
                 self._answered()
                 return STREAM_CLOSED
             try:
-                self._relay.send_request(self.sid, buffer, data, self._deadline,
-                                         self._packable)
+                self._relay.send_request(self.sid, buffer, data, self._deadline)
             except RelayClosed:
                 self._answered()
                 return LEARNER_GONE
@@ -293,8 +291,7 @@ class RelayFront:
         any of its requests is at the learner (None: not counted)."""
         with self._ids_lock:
             sid = self._new_id()
-            stream = self._streams[sid] = FrontStream(self, sid, deadline, queue_places,
-                                                      method in TRAIN)
+            stream = self._streams[sid] = FrontStream(self, sid, deadline, queue_places)
         try:
             self._send(_FRAME.pack(OPEN, sid, STREAMED.index(method), 0, 0.0))
         except RelayClosed:
@@ -360,10 +357,9 @@ class RelayFront:
     def give_back(self, buffer: int) -> None:
         self._free.put(buffer)
 
-    def send_request(self, sid: int, buffer: int, data: bytes, deadline: float,
-                     packable: bool) -> None:
+    def send_request(self, sid: int, buffer: int, data: bytes, deadline: float) -> None:
         descriptor = None
-        if packable and self._pack is not None:
+        if self._pack is not None:
             try:
                 descriptor = self._pack(data, self.buffers.array(buffer),
                                         self.buffers.address(buffer))
@@ -483,7 +479,7 @@ class RelayService(Protocol):
         """Check a request of ``method`` (:data:`STREAMED`) sent as it came and start its
         copy to the device; raises to refuse it."""
 
-    def prepare_packed(self, packed: PackedBatch, key: bytes) -> Job:
+    def prepare_packed(self, packed: PackedBatch, key: bytes, method: str) -> Job:
         """The same for a request the front packed (its key's wire bytes given)."""
 
     def apply(self, job: Job, call: RelayCall) -> bytes:
@@ -864,7 +860,7 @@ class RelayLearner:
                             if item.packed is None else
                             self._service.prepare_packed(*read_packed(
                                 item.packed, item.data,
-                                stream.front.buffers.address(item.buffer))))
+                                stream.front.buffers.address(item.buffer)), stream.method))
             except Exception as exc:  # noqa: BLE001 — answered in order, at its turn
                 item.error = exc
         return item
