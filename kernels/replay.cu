@@ -22,8 +22,9 @@
 //                   step's figures and writes the drawn rows' priorities back (the position
 //                   that owns a row: its last occurrence in batch order), then updates the
 //                   tree; otherwise marks the run halted and changes nothing.
-//   replay_insert   cooperative: rows into the buffer at the cursor, their priorities and
-//                   leaves, then the tree.
+//   replay_insert   cooperative: rows into the buffer at the cursor (16-bit features into a
+//                   float32 buffer widened on the way), their priorities and leaves, then
+//                   the tree.
 // The tree is updated level by level, a grid barrier (grid_barrier) before each level with
 // more than TOP_NODES nodes; the last block to finish those updates the small levels at
 // the top alone. No reduction whose order depends on timing: atomics only take maxima
@@ -395,19 +396,51 @@ struct InsertArgs {
     int count;                  // n ≤ C
     int start;                  // the cursor: row t goes to (start + t) mod C
     int has_priorities;         // 0: every row gets *max_priority
+    int staged_kind;            // the staged features: 0 the buffer's dtype; in a float32
+                                // buffer also 1 float16, 2 bfloat16 (widened here, exactly)
 };
+
+// Rows [n][H] of 16-bit features of KIND (1 float16, 2 bfloat16) widened into the float32
+// rows from row `start` on, wrapping at CAPACITY.
+template <int KIND>
+__device__ void widen_rows(const unsigned short* in, float* out, int n, int start,
+                           long long tid, long long threads) {
+    for (long long e = tid; e < (long long)n * HIDDEN_DIM; e += threads) {
+        const long long t = e / HIDDEN_DIM, row = ((long long)start + t) % CAPACITY;
+        out[row * HIDDEN_DIM + (e - t * HIDDEN_DIM)] = widen16<KIND>(in[e]);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_insert(const InsertArgs a) {
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long threads = (long long)gridDim.x * blockDim.x;
     const int n = a.count;
-    for (long long u = tid; u < (long long)n * ROW_UNITS; u += threads) {
-        const long long t = u / ROW_UNITS, row = ((long long)a.start + t) % CAPACITY;
-        const long long c = u - t * ROW_UNITS;
-        a.rows_t[row * ROW_UNITS + c] = a.staged[u];
-        a.rows_tp1[row * ROW_UNITS + c] = a.staged[(long long)n * ROW_UNITS + u];
+    const float* tail;   // the staged rows' 32-bit vectors, after their features
+#if FEATURES == 0
+    if (a.staged_kind != 0) {
+        const unsigned short* in = reinterpret_cast<const unsigned short*>(a.staged);
+        const long long features = (long long)n * HIDDEN_DIM;
+        float* rows_t = reinterpret_cast<float*>(a.rows_t);
+        float* rows_tp1 = reinterpret_cast<float*>(a.rows_tp1);
+        if (a.staged_kind == 1) {
+            widen_rows<1>(in, rows_t, n, a.start, tid, threads);
+            widen_rows<1>(in + features, rows_tp1, n, a.start, tid, threads);
+        } else {
+            widen_rows<2>(in, rows_t, n, a.start, tid, threads);
+            widen_rows<2>(in + features, rows_tp1, n, a.start, tid, threads);
+        }
+        tail = reinterpret_cast<const float*>(in + 2 * features);
+    } else
+#endif
+    {
+        for (long long u = tid; u < (long long)n * ROW_UNITS; u += threads) {
+            const long long t = u / ROW_UNITS, row = ((long long)a.start + t) % CAPACITY;
+            const long long c = u - t * ROW_UNITS;
+            a.rows_t[row * ROW_UNITS + c] = a.staged[u];
+            a.rows_tp1[row * ROW_UNITS + c] = a.staged[(long long)n * ROW_UNITS + u];
+        }
+        tail = reinterpret_cast<const float*>(a.staged + 2 * (long long)n * ROW_UNITS);
     }
-    const float* tail = reinterpret_cast<const float*>(a.staged + 2 * (long long)n * ROW_UNITS);
     const float fallback = *a.max_priority;  // written below only when priorities are given
     for (long long t = tid; t < n; t += threads) {
         const long long row = ((long long)a.start + t) % CAPACITY;

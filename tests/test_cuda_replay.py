@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from duelq.server.core.batch import PackedBatch, packed_layout
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import ReplayTooLarge
 from duelq.server.core.learner import Learner, cuda_usable
@@ -160,23 +161,40 @@ def test_inserts_without_a_free_upload_buffer_store_the_same_bits():
         busy.backend._free_uploads.put(buf)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=str)
-def test_packed_inserts_store_the_reference_bits(case):
-    """Rows a front packed (priorities in the weights' place) are copied to the device as
-    they lie where the buffer stores their dtype, and store what the reference does."""
-    from duelq.server.core.batch import PackedBatch, packed_layout
+def _packed(t: Transitions) -> PackedBatch:
+    """``t`` as a front process packs an insert (priorities in the weights' place)."""
+    n, H = t.h_t.shape
+    pool = np.zeros(4 * packed_layout(n, H, t.h_t.dtype.itemsize, True)[1], np.uint8)
+    raw = packed(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts,
+                       t.priorities))
+    pool[:len(raw)] = np.frombuffer(raw, np.uint8)
+    return PackedBatch(n, H, t.h_t.dtype, True, len(pool) // 4, memoryview(pool),
+                       pool.ctypes.data)
+
+
+@pytest.mark.parametrize("case, wire", [
+    (CASES[1], "bfloat16"), (CASES[4], "bfloat16"),           # stored as they came
+    (CASES[0], "float16"), (CASES[2], "float16"), (CASES[2], "bfloat16"),
+    (Case(5, 7, 127, 5, "float32", 1.0), "float16"),          # widened on the device
+], ids=str)
+def test_packed_and_16_bit_inserts_store_the_reference_bits(case, wire):
+    """Rows a front packed are copied to the device as they lie, and 16-bit rows bound for
+    a float32 buffer are widened by replay_insert: both, and the same rows packed on the
+    host, store what the reference does (subnormals and signed zeros included)."""
     cuda, ref = learners(case)
-    rng = np.random.default_rng(22)
+    dtype, rng = STORAGE_DTYPES[wire], np.random.default_rng(22)
     for n in sorted({1, min(7, case.capacity), min(case.B, case.capacity)}):
         t = transitions(rng, n, case, priorities=True)
-        pool = np.zeros(4 * packed_layout(n, case.H, t.h_t.dtype.itemsize, True)[1], np.uint8)
-        raw = packed(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts,
-                           t.priorities))
-        pool[:len(raw)] = np.frombuffer(raw, np.uint8)
-        prepared = cuda.prepare_insert(PackedBatch(n, case.H, t.h_t.dtype, True, len(pool) // 4,
-                                                   memoryview(pool), pool.ctypes.data))
+        t = dataclasses.replace(t, h_t=t.h_t.astype(np.float32).astype(dtype),
+                                h_tp1=t.h_tp1.astype(np.float32).astype(dtype))
+        t.h_t[0, :3] = np.array([2.0 ** -24, -0.0, -(2.0 ** -14)], np.float32).astype(dtype)
+        prepared = cuda.prepare_insert(_packed(t))
         assert prepared.upload is not None
+        assert prepared.rows.h_t.dtype == dtype
         cuda.insert(prepared)
+        ref.insert(t)
+        assert_same_buffer(cuda, ref)
+        cuda.insert(t)
         ref.insert(t)
         assert_same_buffer(cuda, ref)
 

@@ -342,6 +342,23 @@ def test_a_16_bit_buffer_takes_its_own_dtype_only(dtype, field, value):
     assert lrn.replay.size == 4
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_a_float32_buffer_stores_16_bit_rows_widened(dtype):
+    """16-bit rows bound for a float32 buffer stay 16-bit through the checks (the buffer
+    widens them as it stores them) and are stored as their exact float32 values."""
+    lrn = learner()
+    t = transitions(np.random.default_rng(17), 6, dtype=dtype)
+    t.h_t[0, :3] = np.array([2.0 ** -24, -0.0, -(2.0 ** -14)], np.float32).astype(dtype)
+    prepared = lrn.prepare_insert(t)
+    assert prepared.rows.h_t.dtype == dtype and prepared.rows.h_tp1.dtype == dtype
+    lrn.insert(prepared)
+    state = lrn.replay.state
+    assert state.h_t.dtype == np.float32
+    np.testing.assert_array_equal(state.h_t[:6].view(np.uint32),
+                                  t.h_t.astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(state.h_tp1[:6], t.h_tp1.astype(np.float32))
+
+
 def test_an_insert_larger_than_the_buffer_is_refused():
     lrn = learner(replay_capacity=4)
     with pytest.raises(ResourceExhausted, match="actions"):

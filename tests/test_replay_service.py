@@ -140,8 +140,8 @@ def test_every_inserts_upload_is_given_back(replay_server, monkeypatch):
 def test_a_packed_insert_is_stored_and_refused_as_its_bytes_are(make_server, monkeypatch, wire):
     """An insert a front packed (relay_prepare_packed) stores what its bytes do
     (relay_prepare) and is refused naming the same field; its packed words go to the
-    replay's upload as they lie only where the buffer stores them as they came (float32
-    here: float16 rows are widened first)."""
+    replay's upload as they lie, float16 ones too (the float32 buffer widens them as it
+    stores them)."""
     from duelq.server.core.batch import PackedBatch
     from duelq.server.fronts.packing import Packer, read_packed
     packed_server, bytes_server = make_server(CONFIG), make_server(CONFIG)
@@ -172,7 +172,7 @@ def test_a_packed_insert_is_stored_and_refused_as_its_bytes_are(make_server, mon
                 answers.setdefault(seq, []).append(str(exc))
     assert answers[1] == [(6, 6), (6, 6)]
     assert answers[2][0] == answers[2][1] and answers[2][0].startswith("priorities")
-    assert uploaded == [PackedBatch if wire == "float32" else Transitions]
+    assert uploaded == [PackedBatch]
     assert (packed_server.learner.replay_snapshot().checksum()
             == bytes_server.learner.replay_snapshot().checksum())
 

@@ -226,7 +226,8 @@ class CudaReplay(ReplayBuffer):
             arrivals=self._arrivals.data.ptr, ticket=self._ticket.data.ptr,
             alpha=self.config.replay_alpha, barrier=self._barriers(self._tree_barriers),
             count=n, start=c["cursor"],
-            has_priorities=t.priorities is not None)
+            has_priorities=t.priorities is not None,
+            staged_kind=0 if t.h_t.dtype == self._dtype else FEATURE_KINDS[t.h_t.dtype])
         b._launch_cooperative(self._insert, self._blocks(n), THREADS, 0, args)
 
     def _blocks(self, rows: int) -> int:

@@ -383,8 +383,9 @@ def _metadata(data: bytes) -> dict[str, str]:
 def validate_transitions(t: Transitions, config: LearnerConfig, max_rows: int) -> Transitions:
     """Check every field of an insert: a batch's checks (DESIGN §6), ``priorities`` those of
     weights and > 0, features of a 16-bit buffer in its own dtype; at most ``max_rows`` rows.
-    Returns the rows as the buffer stores them.  Raises InvalidArgument naming the first bad
-    field, or ResourceExhausted past ``max_rows``."""
+    Returns the rows as the buffer stores them, but that 16-bit features bound for a float32
+    buffer stay 16-bit (the buffer widens them as it stores them, exactly).  Raises
+    InvalidArgument naming the first bad field, or ResourceExhausted past ``max_rows``."""
     if not isinstance(t, Transitions):
         raise InvalidArgument("transitions", f"must be Transitions, got {type(t).__name__}")
     storage = STORAGE_DTYPES[config.replay_dtype]
@@ -397,7 +398,8 @@ def validate_transitions(t: Transitions, config: LearnerConfig, max_rows: int) -
     try:
         batch = validate_batch(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones,
                                      t.discounts, t.priorities), config, max_rows,
-                               keep=(storage,))
+                               keep=(storage,) if storage.itemsize == 2
+                               else tuple(STORAGE_DTYPES.values()))
     except InvalidArgument as exc:
         if exc.field != "weights":
             raise
