@@ -237,7 +237,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) replay_sample(const Sample
     long long node = 0;
     for (int k = TREE_DEPTH - 1; k >= 0; --k) {  // the children of `node` are at level k
         const long long at = node * FANOUT + lane;
-        const double c = k == 0 ? (double)__ldg(&a.leaves[at]) : __ldg(&a.sums[tree_offset[k] + at]);
+        const double c = k == 0 ? (double)__ldg(&a.leaves[at])
+                                : __ldg(&a.sums[tree_offset[k] + at]);
         double prefix = c;  // inclusive prefix sum, Hillis–Steele
 #pragma unroll
         for (int d = 1; d < FANOUT; d <<= 1) {

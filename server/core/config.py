@@ -64,7 +64,8 @@ class LearnerConfig:
     A full buffer overwrites its oldest row."""
     replay_dtype: str = "float32"
     """Dtype the replay buffer stores h_t and h_tp1 in: float32, float16 or bfloat16 (a
-    16-bit buffer takes inserts of its own dtype only: nothing is rounded)."""
+    16-bit buffer takes inserts of its own dtype only: nothing is rounded; a float32 one
+    widens 16-bit inserts exactly)."""
     replay_alpha: float = 0.6
     """α: rows are drawn with probability priority^α / Σ priority^α (in [0, 1]; 0 = uniform)."""
     replay_beta: float = 0.4

@@ -17,8 +17,8 @@ run's remaining steps change nothing.  The draw's and the commit's arguments are
 filled in place (a run fills the commit's once; a step sets three fields of each), so a
 step's three launches cost the host little more than the driver's calls.  One copy back
 and one sync per run of at most :data:`RUN_STEPS` steps bring the steps committed, whether
-the run halted, and each step's loss, mean Q and gradient norm.  No other host round trip: a step's decision is the
-device's, made as the host's :meth:`CudaBackend.propose` would make it.
+the run halted, and each step's loss, mean Q and gradient norm.  No other host round trip:
+a step's decision is the device's, made as the host's :meth:`CudaBackend.propose` would.
 
 The draws, weights, priorities and tree are those of :class:`ReferenceReplay` bit for bit
 (server/core/replay.py; tests/test_cuda_replay.py holds them together step by step).

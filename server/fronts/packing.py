@@ -12,11 +12,11 @@ A request packs when its framing is canonical (server/framing.py) and its fields
 and shapes every learner takes as they are: h_t and h_tp1 [B, H] of one feature dtype,
 actions int32 [B], rewards, dones, discounts and (optional) weights float32 [B], and a key
 that parses.  An InsertStream request has TrainRequest's framing with field 7 named
-priorities, so it packs the same way, its priorities in the weights' place; a replay buffer
-that stores its rows as they came copies the packed words to the device as they lie.  Anything else goes as it came, to the learner's own checks and refusals (the
-learner packs it on the host: the device sees one input form; relay.py says why that
-path stays).  The learner checks what a front cannot know (H, the batch size limit) and
-words a refusal as for the unpacked bytes.
+priorities, so it packs the same way, its priorities in the weights' place, and the
+learner copies its words to the device as they lie.  Anything else goes as it came, to the
+learner's own checks and refusals (the learner packs it on the host: the device sees one
+input form; relay.py says why that path stays).  The learner checks what a front cannot
+know (H, the batch size limit) and words a refusal as for the unpacked bytes.
 The front learns once per wire layout whether and where its requests pack.
 
 The descriptor (a PACKED frame's payload): B, H, the features' dtype (an index into
