@@ -170,7 +170,7 @@ def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch
 
 def decode_transitions(request: pb.InsertStreamRequest) -> Transitions:
     """The numpy Transitions of an InsertStreamRequest, features as they came (size checks only;
-    the learner checks values and widens what its buffer stores wider)."""
+    the learner checks values; the buffer widens 16-bit rows it stores as float32)."""
     return Transitions(_features(request, "h_t", True), _features(request, "h_tp1", True),
                        _required(request, "actions"), _required(request, "rewards"),
                        _required(request, "dones"), _required(request, "discounts"),
@@ -520,7 +520,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         return self.prepare_insert(request) if insert else self.prepare_train(request)
 
     def relay_prepare_packed(self, packed: PackedBatch, key_bytes: bytes,
-                             method: str = "TrainStream") -> TrainJob | InsertJob:
+                             method: str) -> TrainJob | InsertJob:
         """:meth:`prepare_train` (or :meth:`prepare_insert`) of a relayed request of
         ``method`` that a front process packed: its arrays in the packed layout (an
         insert's priorities in the weights' place), and its key's wire bytes."""

@@ -702,7 +702,7 @@ def test_requests_packed_by_the_front_step_as_decoded_ones(wire):
                 pool[at + 1:at + 1 + len(data)] = np.frombuffer(data, np.uint8)
                 return service.relay_prepare(pool.data[at + 1:at + 1 + len(data)], "TrainStream")
             return service.relay_prepare_packed(*pack_request(data, pool[at:at + size],
-                                                              packer))
+                                                              packer), "TrainStream")
 
         def want(data: bytes):
             return plain.step(decode_batch(parse_train_request(data), keep_16bit=True))
@@ -796,7 +796,7 @@ def test_an_upload_failing_part_way_gives_its_buffer_back_whole(packed, monkeypa
         fail.append(True)
         with pytest.raises(RuntimeError, match="the test's"):
             if packed:
-                service.relay_prepare_packed(*pack_request(bigger, pool))
+                service.relay_prepare_packed(*pack_request(bigger, pool), "TrainStream")
             else:
                 pool[1:1 + len(bigger)] = np.frombuffer(bigger, np.uint8)
                 service.relay_prepare(pool.data[1:1 + len(bigger)], "TrainStream")

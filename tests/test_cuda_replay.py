@@ -139,17 +139,24 @@ def test_inserts_build_the_reference_buffer_bit_for_bit(case):
         assert_same_buffer(cuda, ref)
 
 
-def test_inserts_without_a_free_upload_buffer_store_the_same_bits():
+@pytest.mark.parametrize("case, wire", [
+    (CASES[4], "bfloat16"), (CASES[2], "float16"), (CASES[5], "bfloat16")], ids=str)
+def test_inserts_without_a_free_upload_buffer_store_the_same_bits(case, wire):
     """An insert's rows come in one of the backend's upload buffers, or, with none free,
-    through the replay's own staging: both store the reference's bits, and every buffer
-    comes back, also from a prepared insert dropped unused."""
+    through the step's own input buffer: both store the reference's bits (16-bit rows into
+    a float32 buffer too), and every buffer comes back, also from a prepared insert dropped
+    unused."""
     from duelq.server.core.cuda import UPLOAD_BUFFERS
-    case = CASES[4]
     cuda, ref = learners(case)
     busy = learners(case)[0]
     held = [busy.backend._free_uploads.get_nowait() for _ in range(UPLOAD_BUFFERS)]
-    rng = np.random.default_rng(21)
-    fill([cuda, busy, ref], rng, case, case.capacity // 4)
+    rng, dtype = np.random.default_rng(21), STORAGE_DTYPES[wire]
+    for i in range(3):
+        t = transitions(rng, max(1, case.capacity // 12), case, priorities=i != 1)
+        t = dataclasses.replace(t, h_t=t.h_t.astype(np.float32).astype(dtype),
+                                h_tp1=t.h_tp1.astype(np.float32).astype(dtype))
+        for learner in (cuda, busy, ref):
+            learner.insert(t)
     assert_same_buffer(cuda, ref)
     assert_same_buffer(busy, ref)
     assert busy.prepare_insert(transitions(rng, 9, case)).upload is None
@@ -173,7 +180,7 @@ def _packed(t: Transitions) -> PackedBatch:
 
 
 @pytest.mark.parametrize("case, wire", [
-    (CASES[1], "bfloat16"), (CASES[4], "bfloat16"),           # stored as they came
+    (CASES[1], "bfloat16"), (CASES[4], "bfloat16"), (CASES[2], "float32"),  # as they came
     (CASES[0], "float16"), (CASES[2], "float16"), (CASES[2], "bfloat16"),
     (Case(5, 7, 127, 5, "float32", 1.0), "float16"),          # widened on the device
 ], ids=str)
@@ -194,6 +201,14 @@ def test_packed_and_16_bit_inserts_store_the_reference_bits(case, wire):
         cuda.insert(prepared)
         ref.insert(t)
         assert_same_buffer(cuda, ref)
+        cuda.insert(t)
+        ref.insert(t)
+        assert_same_buffer(cuda, ref)
+    if case.dtype == "float32" and wire != "float32":   # mixed 16-bit rows: widened first
+        other = STORAGE_DTYPES["float16" if wire == "bfloat16" else "bfloat16"]
+        t = dataclasses.replace(t, h_tp1=t.h_tp1.astype(np.float32).astype(other))
+        with cuda.prepare_insert(t) as prepared:
+            assert prepared.rows.h_tp1.dtype == np.float32
         cuda.insert(t)
         ref.insert(t)
         assert_same_buffer(cuda, ref)

@@ -214,7 +214,7 @@ def _both(service: LearnerService, data: bytes) -> tuple:
         assert parsed.SerializeToString() == response.SerializeToString()   # canonical
         return parsed
     packed = answer(service, lambda: service.relay_prepare_packed(*read_packed(
-        descriptor, memoryview(buffer), buffer.ctypes.data)), True)
+        descriptor, memoryview(buffer), buffer.ctypes.data), "TrainStream"), True)
     unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), "TrainStream"), False)
     return packed, unpacked
 

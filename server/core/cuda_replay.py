@@ -216,6 +216,11 @@ class CudaReplay(ReplayBuffer):
     def _launch_insert(self, t: Transitions, staged: int) -> None:
         """replay_insert of ``t``'s rows, packed at device address ``staged``, at the cursor."""
         b, c, n = self.backend, self._counters, t.size
+        kind = FEATURE_KINDS[t.h_t.dtype]
+        if t.h_tp1.dtype != t.h_t.dtype or (t.h_t.dtype != self._dtype and self._kind != 0):
+            raise ValueError(f"replay_insert takes rows of one feature dtype, the buffer's "
+                             f"({self._dtype}) or 16-bit into float32; got {t.h_t.dtype} "
+                             f"and {t.h_tp1.dtype}")
         args = InsertArgs(
             staged=staged, rows_t=self._h_t.data.ptr,
             rows_tp1=self._h_tp1.data.ptr, actions=self._actions.data.ptr,
@@ -227,7 +232,7 @@ class CudaReplay(ReplayBuffer):
             alpha=self.config.replay_alpha, barrier=self._barriers(self._tree_barriers),
             count=n, start=c["cursor"],
             has_priorities=t.priorities is not None,
-            staged_kind=0 if t.h_t.dtype == self._dtype else FEATURE_KINDS[t.h_t.dtype])
+            staged_kind=0 if t.h_t.dtype == self._dtype else kind)
         b._launch_cooperative(self._insert, self._blocks(n), THREADS, 0, args)
 
     def _blocks(self, rows: int) -> int:

@@ -299,8 +299,8 @@ class Learner:
     def prepare_insert(self, transitions: Transitions | PackedBatch) -> PreparedInsert:
         """Check every row of ``transitions`` and start their copy to the device; no lock is
         taken, so an insert's checks and copy run beside steps.  Rows a front process
-        packed (priorities in the weights' place) that the buffer stores as they came are
-        copied as they lie."""
+        packed (priorities in the weights' place) are copied as they lie: the buffer takes
+        every accepted row in its own dtype or, float32, widens 16-bit ones itself."""
         replay = self._replay()
         packed = transitions if type(transitions) is PackedBatch else None
         if packed is not None:
@@ -309,8 +309,7 @@ class Learner:
                                       b.discounts, b.weights)
         rows = validate_transitions(transitions, self.config,
                                     min(self.max_batch_size, self.config.replay_capacity))
-        as_they_came = packed is not None and rows.h_t.dtype == packed.dtype
-        return PreparedInsert(rows, replay.upload(packed if as_they_came else rows))
+        return PreparedInsert(rows, replay.upload(rows if packed is None else packed))
 
     def insert(self, transitions: Transitions | PreparedInsert) -> InsertResult:
         """Check every row of ``transitions`` (unless prepared), then store them all in the

@@ -52,7 +52,7 @@ from duelq.server.core.backend import Backend, Upload
 from duelq.server.core.batch import PackedBatch, validate_batch
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import InvalidArgument, ReplayNotReady
-from duelq.wire.types import BFLOAT16, Batch, ReplayInfo, Transitions
+from duelq.wire.types import BFLOAT16, FEATURE_DTYPES, Batch, ReplayInfo, Transitions
 
 FANOUT = 32                 # children per tree node: a warp's lanes
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -398,8 +398,7 @@ def validate_transitions(t: Transitions, config: LearnerConfig, max_rows: int) -
     try:
         batch = validate_batch(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones,
                                      t.discounts, t.priorities), config, max_rows,
-                               keep=(storage,) if storage.itemsize == 2
-                               else tuple(STORAGE_DTYPES.values()))
+                               keep=FEATURE_DTYPES)
     except InvalidArgument as exc:
         if exc.field != "weights":
             raise
