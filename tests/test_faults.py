@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import queue
 import shutil
 import signal
 import socket
@@ -276,7 +277,10 @@ def test_a_stopping_server_takes_no_new_calls_while_it_drains(fronts):
     """gRPC stops taking calls as the drain begins, not after it: clients that the drain
     answers UNAVAILABLE retry at once, and a call of theirs that came just as gRPC shut down
     would be cancelled (CANCELLED, which no client retries), so they must find the port
-    closed meanwhile.  The drain is held by a step that holds the learner."""
+    closed meanwhile.  The drain is held by a step that holds the learner.  A connected
+    client's next call is UNAVAILABLE once it has read the server's GOAWAY (its channel
+    leaves READY); one sent before that may be CANCELLED by gRPC itself (grpc/grpc#41785),
+    so the test waits for it."""
     from test_hostile import learner_held
     server = start_server(SMALL, ServerOptions(port=0, front_processes=fronts, grace_s=30),
                           backend="reference")
@@ -285,6 +289,8 @@ def test_a_stopping_server_takes_no_new_calls_while_it_drains(fronts):
         with grpc.insecure_channel(server.target) as channel:   # connected before the stop
             stub = pb_grpc.LearnerStub(channel)
             stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+            states = queue.SimpleQueue()
+            channel.subscribe(states.put)
             with learner_held(server, applied=False):
                 stopper.start()
                 deadline = time.monotonic() + 30
@@ -297,6 +303,8 @@ def test_a_stopping_server_takes_no_new_calls_while_it_drains(fronts):
                         pass
                     assert time.monotonic() < deadline, "the port stays open while it drains"
                     time.sleep(0.01)
+                while states.get(timeout=30) == grpc.ChannelConnectivity.READY:
+                    pass   # the GOAWAY not read yet
                 with pytest.raises(grpc.RpcError) as turned_away:
                     stub.GetInfo(pb.GetInfoRequest(), timeout=30)
                 assert turned_away.value.code() == grpc.StatusCode.UNAVAILABLE
