@@ -131,8 +131,11 @@ def cuda_usable() -> tuple[bool, str]:
     """(True, device name) when CuPy imports and sees a GPU, else (False, why not)."""
     try:
         import cupy
+    except ImportError:
+        return False, "CuPy is not installed (the cuda extra: pip install 'duelq[server,cuda]')"
+    try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # ImportError, CUDARuntimeError, missing driver…
+    except Exception as exc:  # CUDARuntimeError, missing driver…
         return False, f"{type(exc).__name__}: {exc}"
     if count < 1:
         return False, "no CUDA device visible"
