@@ -457,8 +457,8 @@ class ReplayBuffer(abc.ABC):
         """cursor, size, inserted, sampled, draws."""
 
     def upload(self, t: Transitions | PackedBatch) -> Upload | None:
-        """Start copying validated rows (or the packed words of rows stored as they came)
-        to the device before their insert (thread-safe, as :meth:`Backend.upload`).  None:
+        """Start copying validated rows (or the words a front process packed them in) to
+        the device before their insert (thread-safe, as :meth:`Backend.upload`).  None:
         nothing to do, or no staging space free now."""
         return None
 

@@ -22,11 +22,11 @@ carries fixed-size frames:
                       as UTF-8)
 
 PACKED is the usual train or insert request.  REQ stays for the requests a front cannot
-pack, which the learner process must see as they came: those it will refuse (so the one service code
-words the refusal, in its order of checks: drain and key before the arrays), those in a
-wire form that needs converting (non-canonical framing, uint8 actions, bool dones,
-float16 rewards …: the learner's own decode does that, not a second copy of it in the
-front), and those larger than a buffer (sent inline: buffers are sized for the common
+pack, which the learner process must see as they came: those it will refuse (so the one
+service code words the refusal, in its order of checks: drain and key before the arrays),
+those in a wire form that needs converting (non-canonical framing, uint8 actions, bool
+dones, float16 rewards …: the learner's own decode does that, not a second copy of it in
+the front), and those larger than a buffer (sent inline: buffers are sized for the common
 batch, max_message_bytes / 8, since each front has 2 · max_queue / fronts of them).
 
 Every request gets exactly one REPLY, in order within its stream; the front gives a
