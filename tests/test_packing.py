@@ -266,6 +266,26 @@ def test_a_packed_request_with_a_bad_key_is_refused_as_its_bytes_are():
     assert packed == unpacked and packed[1].startswith("key.seq")
 
 
+def _relayed(work: RelayWork, buffers: BufferPool, pack, method: str,
+             requests: list[bytes]) -> list:
+    """The replies to ``requests`` sent on one stream of ``method`` through a front that
+    packs with ``pack`` to a relay learner doing ``work``."""
+    learner_end, front_end = socket.socketpair()
+    learner = RelayLearner(learner_end, buffers, work)
+    learner.start()
+    front = RelayFront(front_end, buffers, pack)
+    try:
+        stream = front.open(method=method, deadline=None)
+        for data in requests:
+            assert stream.submit(data) is None
+        answers = replies(stream, len(requests))
+        stream.close()
+    finally:
+        front.close()
+        learner.close()
+    return answers
+
+
 def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
     """Through a RelayFront that packs: a request that packs reaches prepare_packed with its
     arrays in its buffer; one that does not (uint8 actions), and one larger than a buffer (sent
@@ -288,22 +308,10 @@ def test_the_relay_carries_packed_requests_and_the_rest_as_they_came():
 
     for takes_packed in (True, False):
         seen.clear()
-        learner_end, front_end = socket.socketpair()
-        buffers = BufferPool(4, 2048)   # B = 40 (≈ 5.8 kB) goes inline
-        learner = RelayLearner(learner_end, buffers, RelayWork(
-            prepare, lambda job, call: b"ok",
-            prepare_packed=prepare_packed if takes_packed else None))
-        learner.start()
-        front = RelayFront(front_end, buffers, Packer().pack)
-        try:
-            stream = front.open(method="TrainStream", deadline=None)
-            for data in requests:
-                assert stream.submit(data) is None
-            answers = replies(stream, 3)
-            stream.close()
-        finally:
-            front.close()
-            learner.close()
+        work = RelayWork(prepare, lambda job, call: b"ok",
+                         prepare_packed=prepare_packed if takes_packed else None)
+        # B = 40 (≈ 5.8 kB) goes inline
+        answers = _relayed(work, BufferPool(4, 2048), Packer().pack, "TrainStream", requests)
         if takes_packed:
             assert answers == [(grpc.StatusCode.OK, b"ok")] * 3
             assert [s[0] for s in seen] == ["packed", "bytes", "bytes"]
@@ -332,21 +340,10 @@ def test_an_insert_streams_requests_pack_as_train_requests_do():
     def prepare_packed(packed, key, method):
         seen.append((method, packed.batch(), pb.RequestKey.FromString(key)))
         return types.SimpleNamespace(close=lambda: None)
-    learner_end, front_end = socket.socketpair()
-    buffers = BufferPool(2, 2048)
-    learner = RelayLearner(learner_end, buffers, RelayWork(
-        lambda *a: pytest.fail("an insert that packs went as its bytes"),
-        lambda job, call: b"ok", prepare_packed=prepare_packed))
-    learner.start()
-    front = RelayFront(front_end, buffers, Packer().pack)
-    try:
-        stream = front.open(method="InsertStream", deadline=None)
-        assert stream.submit(data) is None
-        assert replies(stream, 1) == [(grpc.StatusCode.OK, b"ok")]
-        stream.close()
-    finally:
-        front.close()
-        learner.close()
+    work = RelayWork(lambda *a: pytest.fail("an insert that packs went as its bytes"),
+                     lambda job, call: b"ok", prepare_packed=prepare_packed)
+    assert _relayed(work, BufferPool(2, 2048), Packer().pack, "InsertStream",
+                    [data]) == [(grpc.StatusCode.OK, b"ok")]
     [(method, got, key)] = seen
     assert method == "InsertStream" and key == pb.RequestKey(actor_id="a", seq=1)
     _same_arrays(got, dataclasses.replace(batch, weights=priorities))
@@ -393,23 +390,13 @@ def test_a_request_whose_packing_fails_goes_as_it_came_and_one_that_packs_smalle
     for pack, size, want in ((failing, 4096, "bytes"), (Packer().pack, 4 * words, "packed")):
         assert 4 * words < len(data) and (size >= len(data)) == (want == "bytes")
         seen.clear()
-        learner_end, front_end = socket.socketpair()
-        buffers = BufferPool(2, size)
-        learner = RelayLearner(learner_end, buffers, RelayWork(
+        work = RelayWork(
             lambda *a: seen.append("bytes") or types.SimpleNamespace(close=lambda: None),
             lambda job, call: b"ok",
             prepare_packed=lambda *a: seen.append("packed") or types.SimpleNamespace(
-                close=lambda: None)))
-        learner.start()
-        front = RelayFront(front_end, buffers, pack)
-        try:
-            stream = front.open(method="TrainStep", deadline=None)
-            assert stream.submit(data) is None
-            assert replies(stream, 1) == [(grpc.StatusCode.OK, b"ok")]
-            stream.close()
-        finally:
-            front.close()
-            learner.close()
+                close=lambda: None))
+        assert _relayed(work, BufferPool(2, size), pack, "TrainStep",
+                        [data]) == [(grpc.StatusCode.OK, b"ok")]
         assert seen == [want]
     assert "packing a request of stream 1 failed" in caplog.text
 
