@@ -12,7 +12,7 @@ import pytest
 
 from duelq.server.core import (Batch, InvalidArgument, Learner, LearnerConfig, LearnerState,
                           NonFiniteStep, ResourceExhausted)
-from duelq.server.core.batch import validate_batch
+from duelq.server.core.batch import validate_batch, validate_features
 from duelq.server.core.learner import cuda_usable
 
 from helpers import random_batch, small_config
@@ -108,6 +108,20 @@ def test_16_bit_features_are_kept_only_for_a_backend_that_takes_them(dtype):
         validate_batch(dataclasses.replace(b16, h_tp1=bad), CONFIG, 64, keep=(np.dtype(dtype),))
     with pytest.raises(InvalidArgument, match="float32, float16 or bfloat16, got float64"):
         validate_batch(dataclasses.replace(b, h_t=b.h_t.astype(np.float64)), CONFIG, 64)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_features_are_refused_exactly_where_numpy_sees_nan_or_inf(dtype):
+    """Every one of the 2^16 bit patterns, H to a row: a row is refused iff np.isfinite
+    finds a value that is not finite, at its first such value."""
+    rows = np.arange(1 << 16, dtype=np.uint16).view(dtype).reshape(-1, H)
+    for row in rows:
+        bad = np.flatnonzero(~np.isfinite(row.astype(np.float32)))
+        if bad.size == 0:
+            validate_features(row[None], H, "h_t", rows=1, keep=(np.dtype(dtype),))
+            continue
+        with pytest.raises(InvalidArgument, match=rf"h_t: .* index {bad[0]}\)"):
+            validate_features(row[None], H, "h_t", rows=1, keep=(np.dtype(dtype),))
 
 
 def test_non_finite_step_is_refused_and_state_unchanged(learner):
