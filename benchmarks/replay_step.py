@@ -3,11 +3,12 @@
     python3 benchmarks/replay_step.py [--capacity 1000000] [--sizes 256 1024 4096] [--reps 30]
 
 A replay step is three launches (replay_sample, learner_step, replay_commit: the draw, the
-step, the write-back and the tree update); the plain step is learner_step alone on the same
-gathered batch; "draw alone" and "commit alone" time replay_sample and replay_commit by
-themselves, the commit also on other block counts than tree_blocks picks
-(server/core/cuda_replay.py). All are timed as benchmarks/device_step.py times a step (the
-queue filled behind a spin kernel, CUDA events around K calls, the median over reps). "run" is the wall
+step, the write-back and the tree update), timed as a run of RUN_STEPS enqueues them (the
+C call of server/core/cuda_replay.py, without its sync); the plain step is learner_step
+alone on the same gathered batch; "draw alone" and "commit alone" time replay_sample and
+replay_commit by themselves, the commit also on other block counts than tree_blocks picks.
+All are timed as benchmarks/device_step.py times a step (the queue filled behind a spin
+kernel, CUDA events around K calls, the median over reps). "run" is the wall
 time per step of CudaReplay.train(64) from the host, syncs included. The buffer holds
 ``--capacity`` random float32 rows of H = 128 (N = 11) with random priorities; each size's
 first run is checked to apply every step before anything is timed. Prints a table; writes
@@ -17,14 +18,19 @@ $OUT/replay_step.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import time
 from pathlib import Path
 
 import numpy as np
+from cupy_backends.cuda.api import driver
 
 from device_step import Timer
+
+from duelq.server.core.cuda import THREADS
+from duelq.server.core.cuda_replay import RUN_STEPS
 
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.learner import Learner
@@ -54,33 +60,30 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
     run = learner.train_replay(3)
     assert (run.steps, run.refused) == (3, False), run
     G = backend.grid(B)[0]
-    replay._commit_for(G)
     draws = iter(range(10 ** 9))
 
-    def replay_step() -> None:   # a run's slot 0 each time: the figures are not read
-        replay._launch_sample(next(draws))
-        replay._launch_step(B)
-        replay._launch_commit(0)
+    def replay_run() -> None:   # RUN_STEPS steps, enqueued as a run is: figures not read
+        backend._native.replay_enqueue(ctypes.addressof(replay._prepare(RUN_STEPS, G)))
 
     def plain_step() -> None:
         backend.launch(B, True, replay._gathered, replay._kind)
 
     def draw() -> None:
-        replay._launch_sample(next(draws))
+        replay.draw_alone(next(draws))
 
-    def commit() -> None:        # the last step's outputs, committed again
-        replay._launch_commit(0)
+    def commit(blocks: int) -> None:   # the last step's outputs, committed again
+        replay._commit_args.barrier = replay._barriers(replay._tree_barriers)
+        driver.launchCooperativeKernel(
+            replay._commit.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0, backend.stream.ptr,
+            ctypes.addressof(replay._commit_params))
 
     with backend.stream:
-        replay_us = timer.device_us(backend.stream, replay_step)
+        replay_us = Timer(1, timer.reps).device_us(backend.stream, replay_run) / RUN_STEPS
         plain_us = timer.device_us(backend.stream, plain_step)
         draw_us = timer.device_us(backend.stream, draw)
-        commit_us = timer.device_us(backend.stream, commit)
-        sweep = {}
-        for blocks in sorted({16, 32, 64, backend.max_blocks}):
-            replay._blocks = lambda rows, blocks=blocks: blocks
-            sweep[blocks] = timer.device_us(backend.stream, commit)
-        del replay._blocks
+        commit_us = timer.device_us(backend.stream, lambda: commit(replay._blocks(B)))
+        sweep = {blocks: timer.device_us(backend.stream, lambda blocks=blocks: commit(blocks))
+                 for blocks in sorted({16, 32, 64, backend.max_blocks})}
     start = time.perf_counter()
     run = learner.train_replay(64 * 8)
     run_us = 1e6 * (time.perf_counter() - start) / max(run.steps, 1)

@@ -221,7 +221,7 @@ def test_draws_are_the_references_rows_weights_and_bytes(case):
     replay, stream = cuda.replay, cuda.backend.stream
     for draw in (0, 1, 2, 17, (1 << 32) + 5):
         with stream:
-            replay._launch_sample(draw)
+            replay.draw_alone(draw)
         stream.synchronize()
         ref.replay.state.draws = draw
         expected = ref.replay.draw()
@@ -242,7 +242,7 @@ def test_draws_follow_the_tree_on_a_deep_buffer():
     prefix = np.cumsum(t.priorities, dtype=np.float64)
     for draw in range(3):
         with cuda.backend.stream:
-            cuda.replay._launch_sample(draw)
+            cuda.replay.draw_alone(draw)
         cuda.backend.stream.synchronize()
         mass = uniforms(case.config().replay_seed, draw, case.B) * prefix[-1]
         np.testing.assert_array_equal(cuda.replay._drawn.get(),
@@ -262,7 +262,7 @@ def test_step_by_step_against_the_reference_and_the_batch_path(case):
         if step == 4:   # draws whose steps never ran leave owner marks the next draw outranks
             with cuda.backend.stream:
                 for draw in (10**6, 10**6 + 1):
-                    cuda.replay._launch_sample(draw)
+                    cuda.replay.draw_alone(draw)
         state, buffer = cuda.snapshot(), cuda.replay_snapshot()
         ref.load(state)
         ref.load_replay(buffer)

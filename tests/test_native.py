@@ -142,13 +142,42 @@ def test_without_libcuda_init_says_so(cache):
 
 
 FAKE_DRIVER = r"""
+#include <string.h>
 static int syncs;
 int cuMemcpyHtoDAsync_v2(void) { return 0; }
-int cuMemcpyDtoHAsync_v2(void) { return 0; }
-int cuLaunchCooperativeKernel(void) { return 0; }
+int cuMemcpyDtoHAsync_v2(void *dst, unsigned long long src, size_t n, void *stream) {
+    memcpy(dst, (const void *)src, n);   /* "device" addresses are host ones here */
+    return 0;
+}
+int cuMemsetD32Async(unsigned long long dst, unsigned value, size_t n, void *stream) {
+    for (size_t i = 0; i < n; ++i) ((unsigned *)dst)[i] = value;
+    return 0;
+}
 int cuEventRecord(void) { return 0; }
 int cuStreamWaitEvent(void) { return 0; }
 int cuStreamSynchronize(void) { return ++syncs == 2 ? 700 : 0; }   /* the second fails */
+
+/* Each launch's function, blocks and first 256 bytes of its one argument struct. */
+int launches, fail_at = -1;
+void *launched_fn[64];
+unsigned launched_blocks[64];
+unsigned char launched_args[64][256];
+static int record(void *fn, unsigned blocks, void **params) {
+    if (launches == fail_at) return 719;
+    launched_fn[launches] = fn, launched_blocks[launches] = blocks;
+    memcpy(launched_args[launches], params[0], 256);
+    ++launches;
+    return 0;
+}
+int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned smem, void *stream, void **params, void **extra) {
+    return record(fn, gx, params);
+}
+int cuLaunchCooperativeKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                              unsigned by, unsigned bz, unsigned smem, void *stream,
+                              void **params) {
+    return record(fn, gx, params);
+}
 """
 
 FAKE_STEPS = """
@@ -156,7 +185,10 @@ import ctypes
 from duelq.server.core import native
 lib = native.load()
 parts = (ctypes.c_float * 5)(1, 2, 3, 4, 1)        # one block's partials
-upload, step = native.UploadCall(), native.StepCall(blocks=1, parts=ctypes.addressof(parts))
+args = ctypes.create_string_buffer(256)              # learner_step's argument struct
+params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+upload, step = native.UploadCall(), native.StepCall(blocks=1, parts=ctypes.addressof(parts),
+                                                    params=ctypes.addressof(params))
 assert lib.copy(ctypes.addressof(upload), 0, 0, 0) == 0
 step.wait = 1                                   # an upload to wait for
 assert lib.step(ctypes.addressof(step)) == 0
@@ -167,27 +199,92 @@ print("ok")
 """
 
 
-def test_copy_and_step_against_a_stand_in_driver(cache, tmp_path):
-    """The library against a stand-in libcuda.so.1 (no GPU here): a copy and a step succeed,
-    the block totals come back, and a step whose sync fails returns the driver's status."""
+def _fake_driver(tmp_path) -> dict:
+    """The environment that loads FAKE_DRIVER as libcuda.so.1 (built in ``tmp_path``)."""
     source = tmp_path / "fake_cuda.c"
     source.write_text(FAKE_DRIVER)
     subprocess.run([*native.compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"),
                     str(source)], check=True)
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", FAKE_STEPS], env=env, capture_output=True,
+    return {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+
+
+def _run_script(script: str, env: dict) -> None:
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_copy_and_step_against_a_stand_in_driver(cache, tmp_path):
+    """The library against a stand-in libcuda.so.1 (no GPU here): a copy and a step succeed,
+    the block totals come back, and a step whose sync fails returns the driver's status."""
+    _run_script(FAKE_STEPS, _fake_driver(tmp_path))
+
+
+FAKE_RUN = """
+import ctypes
+from duelq.server.core import native
+lib, fake = native.load(), ctypes.CDLL("libcuda.so.1")
+space = [ctypes.create_string_buffer(512) for _ in range(3)]   # room for a 256-byte snapshot
+sample, step, commit = (kind.from_buffer(b) for kind, b in zip(
+    (native.SampleArgs, native.StepArgs, native.CommitArgs), space))
+params = [(ctypes.c_void_p * 1)(ctypes.addressof(a)) for a in (sample, step, commit)]
+report = (ctypes.c_double * 4)()       # the device's report: control words, then stats
+report_host = (ctypes.c_double * 4)()
+ctypes.memset(report, 0xFF, 8)          # control words the run must zero first
+report[1] = 2.5
+steps = (native.ReplayStepCall * 3)(*[native.ReplayStepCall(
+    draw=10 + j, mark=100 + j, beta=0.4 + j / 8, step_size=j + 0.5, sqrt_bc2=j + 0.25,
+    epoch=7 + 2 * j, barrier=30 + 2 * j, update_target=j == 1) for j in range(3)])
+f = native.field_address
+call = native.ReplayRunCall(
+    sample=1, step=2, commit=3, sample_blocks=4, step_blocks=5, commit_blocks=6, threads=256,
+    sample_params=ctypes.addressof(params[0]), step_params=ctypes.addressof(params[1]),
+    commit_params=ctypes.addressof(params[2]), sample_draw=f(sample, "draw"),
+    sample_mark=f(sample, "mark"), sample_beta=f(sample, "beta"),
+    step_size=f(step, "step_size"), step_sqrt_bc2=f(step, "sqrt_bc2"),
+    step_epoch=f(step, "epoch"), step_update_target=f(step, "update_target"),
+    commit_mark=f(commit, "mark"), commit_barrier=f(commit, "barrier"),
+    commit_stats_row=f(commit, "stats_row"), steps=ctypes.addressof(steps), count=3,
+    control=ctypes.addressof(report), report=ctypes.addressof(report_host),
+    report_device=ctypes.addressof(report), report_bytes=ctypes.sizeof(report))
+assert lib.replay_run(ctypes.addressof(call)) == 0
+assert ctypes.c_int.in_dll(fake, "launches").value == 9
+fns = (ctypes.c_void_p * 64).in_dll(fake, "launched_fn")
+blocks = (ctypes.c_uint * 64).in_dll(fake, "launched_blocks")
+snaps = (ctypes.c_ubyte * 256 * 64).in_dll(fake, "launched_args")
+assert [fns[i] for i in range(9)] == [1, 2, 3] * 3 and [blocks[i] for i in range(9)] == [4, 5, 6] * 3
+for j in range(3):   # each launch saw its own step's values
+    s = native.SampleArgs.from_buffer_copy(bytes(snaps[3 * j]))
+    t = native.StepArgs.from_buffer_copy(bytes(snaps[3 * j + 1]))
+    c = native.CommitArgs.from_buffer_copy(bytes(snaps[3 * j + 2]))
+    assert (s.draw, s.mark, s.beta) == (10 + j, 100 + j, 0.4 + j / 8)
+    assert (t.epoch, t.update_target, t.step_size, t.sqrt_bc2) == (7 + 2 * j, j == 1, j + 0.5, j + 0.25)
+    assert (c.mark, c.barrier, c.stats_row) == (100 + j, 30 + 2 * j, j)
+assert bytes(report_host)[:8] == bytes(8) and report_host[1] == 2.5   # zeroed, copied back
+ctypes.c_int.in_dll(fake, "fail_at").value = 13   # the second run's fifth launch fails:
+assert lib.replay_run(ctypes.addressof(call)) == 719   # its status, not the sync's (700)
+assert ctypes.c_int.in_dll(fake, "launches").value == 13
+print("ok")
+"""
+
+
+def test_a_replay_run_against_a_stand_in_driver(cache, tmp_path):
+    """A run of three replay steps (no GPU here): nine launches in order, each argument
+    struct holding its own step's values when launched; the report zeroed, then copied
+    back; a failed launch ends the run and its status is returned."""
+    _run_script(FAKE_RUN, _fake_driver(tmp_path))
 
 
 @pytest.mark.parametrize("source, name, ctype", [
     (native.SOURCE.read_text(), "duelq_upload", native.UploadCall),
     (native.SOURCE.read_text(), "duelq_step", native.StepCall),
+    (native.SOURCE.read_text(), "duelq_replay_step", native.ReplayStepCall),
+    (native.SOURCE.read_text(), "duelq_replay_run", native.ReplayRunCall),
     (kernel_source("learner_step.cu"), "StepArgs", native.StepArgs),
     (kernel_source("replay.cu"), "SampleArgs", native.SampleArgs),
     (kernel_source("replay.cu"), "CommitArgs", native.CommitArgs),
     (kernel_source("replay.cu"), "InsertArgs", native.InsertArgs),
-], ids=["duelq_upload", "duelq_step", "StepArgs", "SampleArgs", "CommitArgs", "InsertArgs"])
+], ids=["duelq_upload", "duelq_step", "duelq_replay_step", "duelq_replay_run", "StepArgs", "SampleArgs", "CommitArgs", "InsertArgs"])
 def test_ctypes_structs_lay_out_as_the_c_compiler_does(source, name, ctype, tmp_path):
     """Each struct that crosses into C is read from its C source; the C compiler, given the
     same text, puts every field at the offset ctypes does, and the sizes agree."""

@@ -452,36 +452,48 @@ class CudaBackend(Backend):
         driver.launchCooperativeKernel(kernel.ptr, G, 1, 1, THREADS, 1, 1, kernel.smem,
                                        self.stream.ptr, self._arg_param_addresses[self._cur])
 
-    def _fill_args(self, batch_size: int, rows_per_block: int, has_weights: bool,
-                   inputs_ptr: int) -> None:
-        """Fill in the next step's launch arguments (the current state copy's, in place: not
-        thread-safe; the learner's lock serialises steps) for inputs staged at device address
+    def _bind_inputs(self, batch_size: int, rows_per_block: int, has_weights: bool,
+                     inputs_ptr: int) -> None:
+        """Point the next steps' launch arguments (the current state copy's, in place: not
+        thread-safe; the learner's lock serialises steps) at inputs staged at device address
         ``inputs_ptr``."""
-        c = self.config
-        t = self._step + 1
         args = self._args[self._cur]
         args.inputs, args.out = inputs_ptr, self._outputs.device_ptr
-        args.epoch = self._next_epoch()
         args.batch, args.rows_per_block, args.has_weights = (batch_size, rows_per_block,
                                                              has_weights)
-        args.update_target = t % c.target_update_period == 0
-        args.step_size = c.lr / (1 - c.beta1 ** t)   # rounded to float32 by the field
-        args.sqrt_bc2 = (1 - c.beta2 ** t) ** 0.5      # torch's bias_correction2 ** 0.5
 
-    def _next_epoch(self) -> int:
-        """The next launch's epoch (it also uses epoch − 1 and epoch + 1).
+    def _fill_args(self, batch_size: int, rows_per_block: int, has_weights: bool,
+                   inputs_ptr: int) -> None:
+        """Fill in the next step's launch arguments (:meth:`_bind_inputs`, then the step's
+        own: its epoch and :meth:`step_scalars`)."""
+        self._bind_inputs(batch_size, rows_per_block, has_weights, inputs_ptr)
+        args = self._args[self._cur]
+        args.epoch = self._next_epoch()
+        args.update_target, args.step_size, args.sqrt_bc2 = self.step_scalars(self._step + 1)
+
+    def step_scalars(self, t: int) -> tuple[bool, float, float]:
+        """Step t's (whether it updates θ⁻, Adam's step size lr / (1 − β1^t), and
+        sqrt(1 − β2^t), torch's bias_correction2 ** 0.5), as float64: float32 fields round
+        them."""
+        c = self.config
+        return (t % c.target_update_period == 0, c.lr / (1 - c.beta1 ** t),
+                (1 - c.beta2 ** t) ** 0.5)
+
+    def _next_epoch(self, steps: int = 1) -> int:
+        """The next launch's epoch (it also uses epoch − 1 and epoch + 1); with ``steps``,
+        the first of that many launches' epochs, 2 apart.
 
         Epochs only grow, so no word left by an earlier launch carries the current one.  A
         grid barrier compares flags with its target as signed 32-bit differences, and a block
         that smaller launches leave out keeps an old flag; so before the count passes 2^30,
         every tagged buffer and barrier flag is zeroed and it restarts.
         """
-        if self._epoch + 2 > 1 << 30:
+        if self._epoch + 2 * steps > 1 << 30:
             with self.stream:
                 for buf in (self._part_grad, self._part_counts, self._arrivals, self._ent_part):
                     buf.fill(0)
             self._epoch = 1
-        epoch, self._epoch = self._epoch, self._epoch + 2
+        epoch, self._epoch = self._epoch, self._epoch + 2 * steps
         return epoch
 
     def _launch_cooperative(self, fn: cp.RawKernel, blocks: int, threads: int, smem: int,

@@ -8,17 +8,18 @@ the device in one of the backend's upload buffers, copied before the insert take
 learner's lock (:meth:`CudaReplay.upload`), or, with none free, through the backend's own
 step input buffer at the insert (:meth:`CudaBackend.stage`; the learner's lock is held).
 
-A run of K steps is enqueued on the backend's stream without waiting: per step the draw
-(``replay_sample``: rows, weights, the gather into learner_step's packed inputs), the
-backend's own ``learner_step`` launch on them, and ``replay_commit``, which applies the
-step on the device (the proposed state copied over the current one, priorities written
-back, the tree updated) or, for a non-finite step, marks the run halted, after which the
-run's remaining steps change nothing.  The draw's and the commit's arguments are structs
-filled in place (a run fills the commit's once; a step sets three fields of each), so a
-step's three launches cost the host little more than the driver's calls.  One copy back
-and one sync per run of at most :data:`RUN_STEPS` steps bring the steps committed, whether
-the run halted, and each step's loss, mean Q and gradient norm.  No other host round trip:
-a step's decision is the device's, made as the host's :meth:`CudaBackend.propose` would.
+A run of K ≤ :data:`RUN_STEPS` steps is one C call (server/core/native.c's
+``duelq_replay_run``, without the GIL) that enqueues per step the draw (``replay_sample``:
+rows, weights, the gather into learner_step's packed inputs), the backend's own
+``learner_step`` on them, and ``replay_commit``, which applies the step on the device (the
+proposed state copied over the current one, priorities written back, the tree updated) or,
+for a non-finite step, marks the run halted, after which the run's remaining steps change
+nothing; then it copies back the run's report (the steps committed, whether it halted, each
+step's loss, mean Q and gradient norm) and waits for it.  The host fills each step's own
+values (draw, owner mark, β, epoch, barrier targets, Adam's step t) beforehand; C writes
+them into the three kernels' argument structs before each launch.  No other host round
+trip: a step's decision is the device's, made as the host's :meth:`CudaBackend.propose`
+would.
 
 The draws, weights, priorities and tree are those of :class:`ReferenceReplay` bit for bit
 (server/core/replay.py; tests/test_cuda_replay.py holds them together step by step).
@@ -38,7 +39,8 @@ from duelq.server.core.backend import Upload
 from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Uploaded,
                                     kernel_source)
 from duelq.server.core.errors import ReplayTooLarge
-from duelq.server.core.native import CommitArgs, InsertArgs, SampleArgs
+from duelq.server.core.native import (CommitArgs, InsertArgs, ReplayRunCall, ReplayStepCall,
+                                      SampleArgs, field_address)
 from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, ReplayState,
                                       SumTree, beta_at, replay_bytes, tree_layout, tree_levels)
 from duelq.wire.types import Batch, Transitions
@@ -119,6 +121,8 @@ class CudaReplay(ReplayBuffer):
             self._ticket = cp.zeros(1, np.uint32)
             self._report = cp.zeros(8 + 24 * RUN_STEPS, np.uint8)  # control [2] u32, stats
         stream.synchronize()
+        n = self._report.nbytes
+        self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
         seed = config.replay_seed
         self._sample_args = SampleArgs(   # a draw sets draw, mark and beta
             leaves=self._leaves.data.ptr, sums=self._sums.data.ptr, mins=self._mins.data.ptr,
@@ -130,6 +134,20 @@ class CudaReplay(ReplayBuffer):
         self._sample_params = _params(self._sample_args)
         self._commit_args = CommitArgs()     # filled in once a run (_commit_for)
         self._commit_params = _params(self._commit_args)
+        sample, commit = self._sample_args, self._commit_args
+        self._steps = (ReplayStepCall * RUN_STEPS)()   # each step's own values
+        self._call = ReplayRunCall(   # a run sets the step kernel's, the blocks and count
+            stream=stream.ptr, sample=self._sample.kernel.ptr, commit=self._commit.kernel.ptr,
+            sample_blocks=-(-B // (THREADS // 32)), threads=THREADS,
+            sample_params=ctypes.addressof(self._sample_params),
+            commit_params=ctypes.addressof(self._commit_params),
+            sample_draw=field_address(sample, "draw"), sample_mark=field_address(sample, "mark"),
+            sample_beta=field_address(sample, "beta"), commit_mark=field_address(commit, "mark"),
+            commit_barrier=field_address(commit, "barrier"),
+            commit_stats_row=field_address(commit, "stats_row"),
+            steps=ctypes.addressof(self._steps), control=self._report.data.ptr,
+            report=self._report_host.ctypes.data, report_device=self._report.data.ptr,
+            report_bytes=self._report.nbytes)
         self._counters = dict(cursor=0, size=0, inserted=0, sampled=0, draws=0)
 
     def _compile(self) -> None:
@@ -266,49 +284,62 @@ class CudaReplay(ReplayBuffer):
         return ReplayRun(columns.shape[0], refused, *columns.T.copy())
 
     def _run(self, run: int, G: int) -> tuple[int, bool, np.ndarray]:
-        """Enqueue ``run`` steps, then wait for them: (steps committed, halted, [run, 3] loss,
-        mean Q, gradient norm).  The counters follow what the device did, even when an
-        enqueue fails."""
+        """Enqueue ``run`` steps, then wait for them (one C call, without the GIL): (steps
+        committed, halted, [RUN_STEPS, 3] loss, mean Q, gradient norm).  The counters follow
+        what the device did, even when an enqueue fails."""
         b, c, B = self.backend, self._counters, self.config.replay_batch_size
-        start, report = b._step, self._report
-        self._commit_for(G)
-        try:
-            with b.stream:
-                cp.cuda.runtime.memsetAsync(report.data.ptr, 0, 8, b.stream.ptr)
-                for j in range(run):
-                    self._launch_sample(c["draws"] + j)
-                    b._step = start + j          # _fill_args numbers the step t = _step + 1
-                    self._launch_step(B)
-                    self._launch_commit(j)
-        finally:
-            host = report.get(stream=b.stream)   # waits for the run
-            control = host[:8].view(np.uint32)
-            committed, halted = int(control[1]), bool(control[0])
-            b._step = start + committed
-            c["draws"] += committed + halted
-            c["sampled"] += committed * B
-        return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3)
+        call, host = self._prepare(run, G), self._report_host
+        host[:8] = 0
+        status = b._native.replay_run(ctypes.addressof(call))
+        control = host[:8].view(np.uint32)
+        committed, halted = int(control[1]), bool(control[0])
+        b._step += committed
+        c["draws"] += committed + halted
+        c["sampled"] += committed * B
+        if status:
+            driver.check_status(status)
+        return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3).copy()
 
-    def _launch_sample(self, draw: int) -> None:
-        """replay_sample of draw ``draw`` into the gathered batch, under the next owner mark
-        (the one the following :meth:`_launch_commit` reads)."""
+    def _prepare(self, run: int, G: int) -> ReplayRunCall:
+        """The C call that enqueues the next ``run`` steps (learner_step on G blocks), filled
+        in: the commit's arguments, the step kernel on the current state copy, and each
+        step's draw, owner mark, β, epoch, barrier targets and Adam step t."""
+        b, c, config, B = self.backend, self._counters, self.config, self.config.replay_batch_size
+        self._commit_for(G)
+        _, R, tile = b._shape(B)
+        kernel, args = b._steps[self._kind][tile], b._args[b._cur]
+        b._bind_inputs(B, R, True, self._gathered.data.ptr)
+        call = self._call
+        call.step, call.step_blocks, call.step_smem = kernel.ptr, G, kernel.smem
+        call.step_params = b._arg_param_addresses[b._cur]
+        call.step_epoch, call.step_update_target, call.step_size, call.step_sqrt_bc2 = (
+            field_address(args, name) for name in ("epoch", "update_target", "step_size",
+                                                   "sqrt_bc2"))
+        call.commit_blocks, call.count = self._blocks(B), run
+        epoch = b._next_epoch(run)   # every target of the run at once: none wraps mid-run
+        barrier = self._barriers(run * self._tree_barriers)
+        for j in range(run):
+            s, draw = self._steps[j], c["draws"] + j
+            self._mark += 1
+            s.draw, s.mark, s.beta = draw, self._mark, beta_at(config, draw)
+            s.update_target, s.step_size, s.sqrt_bc2 = b.step_scalars(b._step + j + 1)
+            s.epoch, s.barrier = epoch + 2 * j, barrier + j * self._tree_barriers
+        return call
+
+    def draw_alone(self, draw: int) -> None:
+        """Enqueue replay_sample of draw ``draw`` by itself, outside a run, under a new owner
+        mark (tests compare its rows and gathered bytes with the reference's;
+        benchmarks/replay_step.py times it).  It changes no counter."""
         a = self._sample_args
         self._mark += 1
         a.draw, a.mark, a.beta = draw, self._mark, beta_at(self.config, draw)
-        driver.launchKernel(self._sample.kernel.ptr, -(-a.batch // (THREADS // 32)), 1, 1,
+        driver.launchKernel(self._sample.kernel.ptr, self._call.sample_blocks, 1, 1,
                             THREADS, 1, 1, 0, self.backend.stream.ptr,
                             ctypes.addressof(self._sample_params), 0)
 
-    def _launch_step(self, B: int) -> None:
-        """The backend's learner_step on the gathered batch (weights present)."""
-        b = self.backend
-        G, R, tile = b._shape(B)
-        b._fill_args(B, R, True, self._gathered.data.ptr)
-        b._launch(b._steps[self._kind][tile], G)
-
     def _commit_for(self, G: int) -> None:
         """Fill in replay_commit's arguments for steps launched on G blocks, but for those
-        :meth:`_launch_commit` sets (the device commits a step by copying its state over
+        each step sets (the device commits a step by copying its state over
         the current copy: the copies stay where they are for a whole run)."""
         b, config = self.backend, self.config
         now, proposed = b._states[b._cur], b._states[1 - b._cur]
@@ -325,11 +356,3 @@ class CudaReplay(ReplayBuffer):
         a.arrivals, a.ticket = self._arrivals.data.ptr, self._ticket.data.ptr
         a.alpha, a.batch, a.step_blocks = config.replay_alpha, config.replay_batch_size, G
         a.isv_size = config.isv_size
-
-    def _launch_commit(self, index: int) -> None:
-        """replay_commit of the step just launched, step ``index`` of the run."""
-        a = self._commit_args
-        a.mark, a.barrier, a.stats_row = self._mark, self._barriers(self._tree_barriers), index
-        driver.launchCooperativeKernel(self._commit.kernel.ptr, self._blocks(a.batch), 1, 1,
-                                       THREADS, 1, 1, 0, self.backend.stream.ptr,
-                                       ctypes.addressof(self._commit_params))

@@ -20,8 +20,11 @@ typedef unsigned long long CUdeviceptr;
 
 static CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t, CUstream);
 static CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t, CUstream);
+static CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                          unsigned, unsigned, CUstream, void **, void **);
 static CUresult (*launch_cooperative)(CUfunction, unsigned, unsigned, unsigned, unsigned,
                                       unsigned, unsigned, unsigned, CUstream, void **);
+static CUresult (*memset_d32)(CUdeviceptr, unsigned, size_t, CUstream);
 static CUresult (*event_record)(CUevent, CUstream);
 static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
 static CUresult (*stream_synchronize)(CUstream);
@@ -34,7 +37,9 @@ int duelq_init(void) {
     struct { void **fn; const char *name; } entries[] = {
         {(void **)&memcpy_htod, "cuMemcpyHtoDAsync_v2"},
         {(void **)&memcpy_dtoh, "cuMemcpyDtoHAsync_v2"},
+        {(void **)&launch, "cuLaunchKernel"},
         {(void **)&launch_cooperative, "cuLaunchCooperativeKernel"},
+        {(void **)&memset_d32, "cuMemsetD32Async"},
         {(void **)&event_record, "cuEventRecord"},
         {(void **)&stream_wait_event, "cuStreamWaitEvent"},
         {(void **)&stream_synchronize, "cuStreamSynchronize"},
@@ -101,6 +106,64 @@ int duelq_step(struct duelq_step *s) {
     if (r == 0) r = synced;
     if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);
     return r;
+}
+
+/* A run of replay steps (server/core/cuda_replay.py): per step, replay_sample, learner_step
+ * and replay_commit, enqueued with the step's own values written into their argument
+ * structs first (a launch copies its arguments, so one struct serves every step). */
+struct duelq_replay_step {
+    unsigned long long draw, mark;  /* the draw's number and owner mark */
+    double beta;                    /* β of its importance weights */
+    float step_size, sqrt_bc2;      /* Adam's bias corrections of step t */
+    unsigned epoch, barrier;        /* learner_step's epoch, replay_commit's first barrier */
+    int update_target;              /* step t updates θ⁻ */
+};
+
+struct duelq_replay_run {
+    CUstream stream;
+    CUfunction sample, step, commit;
+    unsigned sample_blocks, step_blocks, commit_blocks, threads, step_smem;
+    void **sample_params, **step_params, **commit_params;
+    /* the fields of SampleArgs, StepArgs and CommitArgs that a step sets */
+    unsigned long long *sample_draw, *sample_mark, *commit_mark;
+    double *sample_beta;
+    float *step_size, *step_sqrt_bc2;
+    unsigned *step_epoch, *commit_barrier;
+    int *step_update_target, *commit_stats_row;
+    const struct duelq_replay_step *steps;
+    int count;
+    CUdeviceptr control;   /* replay_commit's [2] control words, zeroed first */
+    void *report;          /* pinned host copy of the report (control, then stats) */
+    CUdeviceptr report_device;
+    size_t report_bytes;
+};
+
+/* Enqueue the run's steps after zeroing its control words; no copy back, no sync. */
+int duelq_replay_enqueue(struct duelq_replay_run *r) {
+    CUresult e = memset_d32(r->control, 0u, 2, r->stream);
+    for (int j = 0; j < r->count && e == 0; ++j) {
+        const struct duelq_replay_step *s = &r->steps[j];
+        *r->sample_draw = s->draw, *r->sample_mark = s->mark, *r->sample_beta = s->beta;
+        e = launch(r->sample, r->sample_blocks, 1, 1, r->threads, 1, 1, 0, r->stream,
+                   r->sample_params, NULL);
+        *r->step_epoch = s->epoch, *r->step_update_target = s->update_target;
+        *r->step_size = s->step_size, *r->step_sqrt_bc2 = s->sqrt_bc2;
+        if (e == 0) e = launch_cooperative(r->step, r->step_blocks, 1, 1, r->threads, 1, 1,
+                                           r->step_smem, r->stream, r->step_params);
+        *r->commit_mark = s->mark, *r->commit_barrier = s->barrier, *r->commit_stats_row = j;
+        if (e == 0) e = launch_cooperative(r->commit, r->commit_blocks, 1, 1, r->threads, 1,
+                                           1, 0, r->stream, r->commit_params);
+    }
+    return e;
+}
+
+/* The run: enqueued, its report copied back, the stream synchronized (even after a failed
+ * enqueue, so that the host's counters can follow what the device did). */
+int duelq_replay_run(struct duelq_replay_run *r) {
+    CUresult e = duelq_replay_enqueue(r);
+    CUresult copied = memcpy_dtoh(r->report, r->report_device, r->report_bytes, r->stream);
+    CUresult synced = stream_synchronize(r->stream);
+    return e != 0 ? e : copied != 0 ? copied : synced;
 }
 
 /* duelq_stream_copy: src[offset, offset + n) to dst, its whole 64-byte blocks from dst's

@@ -84,8 +84,15 @@ def c_struct(text: str, name: str) -> type[ctypes.Structure]:
                                             "__doc__": f"``struct {name}``, read from C."})
 
 
+def field_address(struct: ctypes.Structure, name: str) -> int:
+    """The address of field ``name`` of ``struct`` (for C to write it in place)."""
+    return ctypes.addressof(struct) + getattr(type(struct), name).offset
+
+
 UploadCall = c_struct(SOURCE.read_text(), "duelq_upload")
 StepCall = c_struct(SOURCE.read_text(), "duelq_step")
+ReplayStepCall = c_struct(SOURCE.read_text(), "duelq_replay_step")
+ReplayRunCall = c_struct(SOURCE.read_text(), "duelq_replay_run")
 StepArgs = c_struct(kernel_source("learner_step.cu"), "StepArgs")
 SampleArgs = c_struct(kernel_source("replay.cu"), "SampleArgs")
 CommitArgs = c_struct(kernel_source("replay.cu"), "CommitArgs")
@@ -164,6 +171,10 @@ class Native:
         self.stream_copy.restype = None
         self.step = releases_gil.duelq_step
         self.step.argtypes = (ctypes.c_void_p,)
+        self.replay_enqueue = keeps_gil.duelq_replay_enqueue
+        self.replay_enqueue.argtypes = (ctypes.c_void_p,)
+        self.replay_run = releases_gil.duelq_replay_run   # waits for the run's steps
+        self.replay_run.argtypes = (ctypes.c_void_p,)
         self._init = keeps_gil.duelq_init
 
     def init_cuda(self) -> None:
