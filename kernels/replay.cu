@@ -25,6 +25,10 @@
 //   replay_insert   cooperative: rows into the buffer at the cursor (16-bit features into a
 //                   float32 buffer widened on the way), their priorities and leaves, then
 //                   the tree.
+// and, on the upload stream as an insert's rows arrive (before the insert is enqueued):
+//   replay_check    every value of the staged rows against the insert's rules (features
+//                   finite, actions in [0, N), rewards finite, dones 0 or 1, discounts in
+//                   [0, 1], priorities finite and > 0): one word, 1 if any fails.
 // The tree is updated level by level, a grid barrier (grid_barrier) before each level with
 // more than TOP_NODES nodes; the last block to finish those updates the small levels at
 // the top alone. No reduction whose order depends on timing: atomics only take maxima
@@ -457,4 +461,53 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_insert(const Ins
     }
     update_tree(nullptr, a.start, n, a.leaves, a.sums, a.mins, a.arrivals, a.barrier,
                 a.ticket);
+}
+
+// ---- replay_check ------------------------------------------------------------------------
+struct CheckArgs {
+    const unsigned int* staged;  // packed rows (packed_layout of n rows), as replay_insert
+                                 // reads them: h_t | h_tp1 | actions | rewards | dones |
+                                 // discounts | priorities (if given)
+    unsigned int* refused;       // [1] zeroed before; set to 1 if any value fails
+    int count;                   // n
+    int staged_kind;             // the features: 0 float32, 1 float16, 2 bfloat16
+    int has_priorities;
+};
+
+// A feature's exponent bits all set: an Inf or a NaN (the same test as the host's).
+__device__ __forceinline__ bool not_finite_bits(unsigned int bits, unsigned int exponent) {
+    return (bits & exponent) == exponent;
+}
+
+// Grid-strided; any grid size gives the same word.
+extern "C" __global__ void __launch_bounds__(THREADS) replay_check(const CheckArgs a) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long threads = (long long)gridDim.x * blockDim.x;
+    const int n = a.count;
+    const long long features = 2LL * n * HIDDEN_DIM;   // of h_t and h_tp1
+    bool bad = false;
+    const float* tail;
+    if (a.staged_kind == 0) {
+        for (long long e = tid; e < features; e += threads)
+            bad |= not_finite_bits(__ldg(a.staged + e), 0x7f800000u);
+        tail = reinterpret_cast<const float*>(a.staged + features);
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(a.staged);
+        const unsigned int exponent = a.staged_kind == 1 ? 0x7c00u : 0x7f80u;
+        for (long long e = tid; e < features; e += threads)
+            bad |= not_finite_bits(__ldg(h + e), exponent);
+        tail = reinterpret_cast<const float*>(h + features);
+    }
+    for (long long t = tid; t < n; t += threads) {
+        const int action = __ldg(reinterpret_cast<const int*>(tail) + t);
+        const float reward = __ldg(tail + n + t), done = __ldg(tail + 2 * n + t);
+        const float discount = __ldg(tail + 3 * n + t);
+        bad |= !(action >= 0 && action < N_ACTIONS && isfinite(reward) &&
+                 (done == 0.f || done == 1.f) && discount >= 0.f && discount <= 1.f);
+        if (a.has_priorities) {
+            const float p = __ldg(tail + 4 * n + t);
+            bad |= !(isfinite(p) && p > 0.f);
+        }
+    }
+    if (bad) *a.refused = 1u;   // every writer writes the same word
 }

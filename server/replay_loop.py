@@ -2,9 +2,10 @@
 
 One thread: woken by each new insert (and once a second), it runs the replay steps that
 the ratio asks for (while sampled + B ≤ ratio × inserted) in runs of at most
-:data:`RUN_STEPS`, each run under the service's apply lock, so batch-path steps, inserts
-and checkpoints take their turns between runs.  With inserts arriving meanwhile, which rows
-a run draws from depends on timing; TrainReplay, called in a fixed order, is the
+:data:`RUN_STEPS` (:meth:`LearnerService.train_due`): each starts under the service's apply
+lock and runs on without it, so inserts go on meanwhile, and batch-path steps and
+checkpoints take their turns between runs.  With inserts arriving meanwhile, which rows a
+run draws from depends on timing; TrainReplay, called in a fixed order, is the
 reproducible way to train from the buffer.
 """
 
@@ -17,7 +18,7 @@ from duelq.server.service import LearnerService, NotServing
 
 log = logging.getLogger(__name__)
 
-RUN_STEPS = 64      # steps per turn of the apply lock (≈ 1–3 ms of device time at B = 256)
+RUN_STEPS = 64      # steps per run (≈ 2 ms of device time at B = 256)
 IDLE_WAIT_S = 1.0   # the longest the loop sleeps without an insert
 
 

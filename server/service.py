@@ -543,17 +543,20 @@ class LearnerService(pb_grpc.LearnerServicer):
         return getattr(type(self), name).__wrapped__(self, message, context).SerializeToString()
 
     def train_due(self, limit: int) -> ReplayRun | None:
-        """The replay steps replay_ratio asks for now, at most ``limit``, under the apply lock
-        (the replay loop's turn); None when none are due.  NotServing once draining."""
+        """The replay steps replay_ratio asks for now, at most ``limit`` (the replay loop's
+        turn); None when none are due.  NotServing once draining.  They start under the
+        apply lock and run on without it: inserts go on meanwhile, behind them on the
+        device (the learner makes anything else wait for them)."""
         learner = self.learner
         with self._admit(None, change=pb.RequestKey()):   # the loop's steps have no key
             due = min(learner.replay_due(), limit)
             if due == 0:
                 return None
-            run = learner.train_replay(due)
-            if self.checkpoints is not None:
-                self.checkpoints.notify(learner.step_count)
-            return run
+            running = learner.start_replay(due)
+        run = learner.finish_replay(running)
+        if self.checkpoints is not None:
+            self.checkpoints.notify(learner.step_count)
+        return run
 
     def _insert(self, request: pb.InsertStreamRequest,
                 context: grpc.ServicerContext | None) -> pb.InsertStreamResponse:

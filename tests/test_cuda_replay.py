@@ -19,9 +19,9 @@ import pytest
 
 from duelq.server.core.batch import PackedBatch, packed_layout
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import ReplayTooLarge
+from duelq.server.core.errors import InvalidArgument, ReplayTooLarge
 from duelq.server.core.learner import Learner, cuda_usable
-from duelq.server.core.replay import ReplayState, STORAGE_DTYPES, uniforms
+from duelq.server.core.replay import ReplayState, STORAGE_DTYPES, uniforms, validate_transitions
 from duelq.server.core.state import LearnerState
 from duelq.wire.types import Batch, Transitions
 
@@ -249,6 +249,72 @@ def test_draws_follow_the_tree_on_a_deep_buffer():
                                       np.searchsorted(prefix, mass, side="right"))
 
 
+# ---- the device's check of an insert's values --------------------------------------------
+#: Values each field's rule refuses (the actions' out-of-range ones are worked out per N).
+BAD_VALUES = {
+    "h_t": [np.nan, np.inf, -np.inf], "h_tp1": [np.nan, -np.inf],
+    "actions": [-1, "N", 1 << 30], "rewards": [np.nan, np.inf, -np.inf],
+    "dones": [0.5, -1.0, 2.0, np.nan], "discounts": [-0.5, 1.0000001, np.nan, np.inf],
+    "priorities": [0.0, -0.0, -1.0, np.nan, np.inf],
+}
+
+
+def spoiled(rng: np.random.Generator, t: Transitions, field: str, N: int) -> Transitions:
+    """``t`` with one of ``field``'s bad values at a random place."""
+    values = getattr(t, field).copy()
+    bad = BAD_VALUES[field][rng.integers(len(BAD_VALUES[field]))]
+    values.reshape(-1)[rng.integers(values.size)] = N if bad == "N" else bad
+    return dataclasses.replace(t, **{field: values})
+
+
+@pytest.mark.parametrize("case, wire", [(CASES[5], "float32"), (CASES[5], "float16"),
+                                        (CASES[2], "bfloat16"), (CASES[3], "float16"),
+                                        (CASES[1], "bfloat16")], ids=str)
+def test_the_device_refuses_an_inserts_values_where_the_host_does(case, wire):
+    """replay_check against the host's checks (the oracle) on fresh random inserts of
+    several sizes, each clean or spoiled in one field, with and without priorities."""
+    cuda, _ = learners(case)
+    config, rng = case.config(), np.random.default_rng(19)
+    limit = min(cuda.max_batch_size, case.capacity)
+    for trial in range(60):
+        n = int(min(limit, rng.choice([1, 2, 3, 31, case.B, 3000])))
+        t = transitions(rng, n, case, priorities=trial % 2 == 1)
+        t = dataclasses.replace(t, h_t=t.h_t.astype(np.float32).astype(STORAGE_DTYPES[wire]),
+                                h_tp1=t.h_tp1.astype(np.float32).astype(STORAGE_DTYPES[wire]))
+        fields = [f for f in BAD_VALUES if f != "priorities" or t.priorities is not None]
+        field = None if trial % 5 == 0 else fields[rng.integers(len(fields))]
+        if field is not None:
+            t = spoiled(rng, t, field, case.N)
+        upload = cuda.replay.upload(validate_transitions(t, config, limit, check_values=False))
+        assert upload is not None
+        try:
+            passed = cuda.replay.checked(upload)
+        finally:
+            upload.close()
+        try:
+            validate_transitions(t, config, limit)
+            refused = None
+        except InvalidArgument as exc:
+            refused = exc.field
+        assert refused == field and passed == (field is None), (trial, n, field, refused)
+
+
+def test_a_bad_insert_is_refused_naming_its_field_and_stores_nothing():
+    """Refused by the device's check, named by the host's; the buffer is unchanged."""
+    case = CASES[2]
+    cuda, _ = learners(case)
+    rng = np.random.default_rng(20)
+    fill([cuda], rng, case, case.capacity)
+    before = cuda.replay_snapshot().checksum()
+    for field in BAD_VALUES:
+        for _ in range(3):
+            t = spoiled(rng, transitions(rng, 7, case, priorities=True), field, case.N)
+            with pytest.raises(InvalidArgument) as info:
+                cuda.insert(t)
+            assert info.value.field == field
+    assert cuda.replay_snapshot().checksum() == before
+
+
 # ---- steps ------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_step_by_step_against_the_reference_and_the_batch_path(case):
@@ -299,6 +365,39 @@ def test_runs_are_deterministic_and_do_not_depend_on_their_length(case):
     assert a.snapshot().checksum() == b.snapshot().checksum()
     assert a.replay_snapshot().checksum() == b.replay_snapshot().checksum()
     assert len(run.losses) == 70 and np.isfinite(run.losses).all()
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=str)
+def test_inserts_while_a_run_is_left_running_go_in_after_its_steps(case):
+    """A run left running, as the replay loop leaves it, with inserts meanwhile through the
+    upload buffers (each reused, and grown, while inserts that read it still wait behind
+    the run), then a batch-path step, which waits for the run: the bits of the run
+    finished first, then the inserts, then the step."""
+    a, _ = learners(case)
+    b, _ = learners(case)
+    rng = np.random.default_rng(17)
+    fill([a, b], rng, case, case.capacity)
+    sizes = [1, 3, 2, 1, case.B, 5, min(case.capacity, 2 * case.B), 1]   # > UPLOAD_BUFFERS
+    rows = [transitions(rng, min(n, case.capacity), case, priorities=i % 2 == 1)
+            for i, n in enumerate(sizes)]
+    t = transitions(rng, case.B, case)
+    batch = Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts, None)
+    running = a.start_replay(9)
+    for r in rows:
+        with a.prepare_insert(r) as prepared:
+            assert prepared.upload is not None
+            a.insert(prepared)
+    stepped = a.step(batch)
+    got = a.finish_replay(running)
+    want = b.train_replay(9)
+    for r in rows:
+        b.insert(r)
+    other = b.step(batch)
+    assert (stepped.step, stepped.loss) == (other.step, other.loss)
+    np.testing.assert_array_equal(stepped.priorities, other.priorities)
+    assert (got.steps, got.losses.tolist()) == (want.steps, want.losses.tolist())
+    assert a.snapshot().checksum() == b.snapshot().checksum()
+    assert a.replay_snapshot().checksum() == b.replay_snapshot().checksum()
 
 
 def test_the_barrier_targets_restart_without_changing_anything():

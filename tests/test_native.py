@@ -153,9 +153,15 @@ int cuMemsetD32Async(unsigned long long dst, unsigned value, size_t n, void *str
     for (size_t i = 0; i < n; ++i) ((unsigned *)dst)[i] = value;
     return 0;
 }
-int cuEventRecord(void) { return 0; }
-int cuStreamWaitEvent(void) { return 0; }
+int records, waits_for[8], waits;   /* events recorded; events waited for, in order */
+int cuEventRecord(void *event, void *stream) { ++records; return 0; }
+int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
+    if (waits < 8) waits_for[waits] = (int)(long)event;
+    ++waits;
+    return 0;
+}
 int cuStreamSynchronize(void) { return ++syncs == 2 ? 700 : 0; }   /* the second fails */
+int cuEventSynchronize(void *event) { return event == (void *)9 ? 0 : 400; }
 
 /* Each launch's function, blocks and first 256 bytes of its one argument struct. */
 int launches, fail_at = -1;
@@ -187,9 +193,12 @@ lib = native.load()
 parts = (ctypes.c_float * 5)(1, 2, 3, 4, 1)        # one block's partials
 args = ctypes.create_string_buffer(256)              # learner_step's argument struct
 params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-upload, step = native.UploadCall(), native.StepCall(blocks=1, parts=ctypes.addressof(parts),
-                                                    params=ctypes.addressof(params))
+upload = native.UploadCall(copied=5, read=6)
+step = native.StepCall(blocks=1, parts=ctypes.addressof(parts), params=ctypes.addressof(params))
 assert lib.copy(ctypes.addressof(upload), 0, 0, 0) == 0
+fake = ctypes.CDLL("libcuda.so.1")
+waited = (ctypes.c_int * 8).in_dll(fake, "waits_for")
+assert ctypes.c_int.in_dll(fake, "waits").value == 1 and waited[0] == 6   # the last reader
 step.wait = 1                                   # an upload to wait for
 assert lib.step(ctypes.addressof(step)) == 0
 assert step.totals[:] == [1.0, 4.0, 3.0, 4.0, 1.0]
@@ -246,24 +255,30 @@ call = native.ReplayRunCall(
     commit_mark=f(commit, "mark"), commit_barrier=f(commit, "barrier"),
     commit_stats_row=f(commit, "stats_row"), steps=ctypes.addressof(steps), count=3,
     control=ctypes.addressof(report), report=ctypes.addressof(report_host),
-    report_device=ctypes.addressof(report), report_bytes=ctypes.sizeof(report))
+    report_device=ctypes.addressof(report), report_bytes=ctypes.sizeof(report), done=9)
 assert lib.replay_run(ctypes.addressof(call)) == 0
+assert ctypes.c_int.in_dll(fake, "records").value == 1   # the run's done event
+assert lib.replay_wait(ctypes.addressof(call)) == 0     # waits for event 9
 assert ctypes.c_int.in_dll(fake, "launches").value == 9
 fns = (ctypes.c_void_p * 64).in_dll(fake, "launched_fn")
 blocks = (ctypes.c_uint * 64).in_dll(fake, "launched_blocks")
 snaps = (ctypes.c_ubyte * 256 * 64).in_dll(fake, "launched_args")
-assert [fns[i] for i in range(9)] == [1, 2, 3] * 3 and [blocks[i] for i in range(9)] == [4, 5, 6] * 3
+assert [fns[i] for i in range(9)] == [1, 2, 3] * 3
+assert [blocks[i] for i in range(9)] == [4, 5, 6] * 3
 for j in range(3):   # each launch saw its own step's values
     s = native.SampleArgs.from_buffer_copy(bytes(snaps[3 * j]))
     t = native.StepArgs.from_buffer_copy(bytes(snaps[3 * j + 1]))
     c = native.CommitArgs.from_buffer_copy(bytes(snaps[3 * j + 2]))
     assert (s.draw, s.mark, s.beta) == (10 + j, 100 + j, 0.4 + j / 8)
-    assert (t.epoch, t.update_target, t.step_size, t.sqrt_bc2) == (7 + 2 * j, j == 1, j + 0.5, j + 0.25)
+    assert (t.epoch, t.update_target) == (7 + 2 * j, j == 1)
+    assert (t.step_size, t.sqrt_bc2) == (j + 0.5, j + 0.25)
     assert (c.mark, c.barrier, c.stats_row) == (100 + j, 30 + 2 * j, j)
 assert bytes(report_host)[:8] == bytes(8) and report_host[1] == 2.5   # zeroed, copied back
 ctypes.c_int.in_dll(fake, "fail_at").value = 13   # the second run's fifth launch fails:
-assert lib.replay_run(ctypes.addressof(call)) == 719   # its status, not the sync's (700)
+report_host[1] = 0
+assert lib.replay_run(ctypes.addressof(call)) == 719   # its status; the report still comes
 assert ctypes.c_int.in_dll(fake, "launches").value == 13
+assert report_host[1] == 2.5 and ctypes.c_int.in_dll(fake, "records").value == 2
 print("ok")
 """
 
@@ -271,7 +286,8 @@ print("ok")
 def test_a_replay_run_against_a_stand_in_driver(cache, tmp_path):
     """A run of three replay steps (no GPU here): nine launches in order, each argument
     struct holding its own step's values when launched; the report zeroed, then copied
-    back; a failed launch ends the run and its status is returned."""
+    back and its event recorded and waited for; a failed launch ends the run and its
+    status is returned, the report still copied back."""
     _run_script(FAKE_RUN, _fake_driver(tmp_path))
 
 
@@ -284,7 +300,9 @@ def test_a_replay_run_against_a_stand_in_driver(cache, tmp_path):
     (kernel_source("replay.cu"), "SampleArgs", native.SampleArgs),
     (kernel_source("replay.cu"), "CommitArgs", native.CommitArgs),
     (kernel_source("replay.cu"), "InsertArgs", native.InsertArgs),
-], ids=["duelq_upload", "duelq_step", "duelq_replay_step", "duelq_replay_run", "StepArgs", "SampleArgs", "CommitArgs", "InsertArgs"])
+    (kernel_source("replay.cu"), "CheckArgs", native.CheckArgs),
+], ids=["duelq_upload", "duelq_step", "duelq_replay_step", "duelq_replay_run", "StepArgs",
+        "SampleArgs", "CommitArgs", "InsertArgs", "CheckArgs"])
 def test_ctypes_structs_lay_out_as_the_c_compiler_does(source, name, ctype, tmp_path):
     """Each struct that crosses into C is read from its C source; the C compiler, given the
     same text, puts every field at the offset ctypes does, and the sizes agree."""

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from duelq.server.core import InvalidArgument, Learner, LearnerConfig, ResourceExhausted
+from duelq.server.core.backend import Upload
 from duelq.server.core.errors import ReplayNotReady
 from duelq.server.core.reference import train_step
-from duelq.server.core.replay import (ReplayState, SumTree, beta_at,
+from duelq.server.core.replay import (ReplayState, RunningReplay, SumTree, beta_at,
                                       butterfly_sums, importance_weights, inclusive_scan,
                                       leaf_values, philox4x32, positive_mins, tree_levels,
                                       uniforms)
@@ -305,6 +306,68 @@ def test_a_bad_insert_names_its_field_and_stores_nothing(case):
         lrn.insert(t)
     assert info.value.field == field, info.value
     assert lrn.replay.snapshot().checksum() == before
+
+
+class _Staged(Upload):
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("device_says", [True, False])
+def test_an_inserts_values_are_checked_on_the_host_unless_the_device_passed_them(device_says):
+    """A buffer whose uploads check the values on the device: the host reads no value when
+    the device passes them (a bad reward goes through: the host never looked); when the
+    device refuses, the host names the field, or, finding nothing, says so; either way the
+    upload is given back."""
+    lrn = learner()
+    staged = []
+
+    def upload(t):
+        staged.append(_Staged())
+        return staged[-1]
+    lrn.replay.upload, lrn.replay.checked = upload, lambda u: device_says
+    lrn.replay.checks_values = True
+    spoiled, clean = BAD_INSERTS["rewards Inf"][1], transitions(np.random.default_rng(19), 4)
+    if device_says:
+        with lrn.prepare_insert(spoiled) as prepared:
+            assert prepared.upload is staged[-1] and not staged[-1].closed
+        return
+    with pytest.raises(InvalidArgument) as info:
+        lrn.prepare_insert(spoiled)
+    assert info.value.field == "rewards" and staged[-1].closed
+    with pytest.raises(RuntimeError, match="the device refused an insert's value"):
+        lrn.prepare_insert(clean)
+    assert staged[-1].closed
+    with pytest.raises(InvalidArgument) as info:   # dtypes and shapes: before any upload
+        lrn.prepare_insert(BAD_INSERTS["h_t float64"][1])
+    assert info.value.field == "h_t" and len(staged) == 2
+
+
+def test_a_run_left_running_is_finished_before_anything_but_an_insert():
+    """start_replay leaves the run running (a device's is still enqueued): an insert goes
+    on beside it, any other use of the learner finishes it first, and finish_replay waits
+    for the device without the lock and finishes it once."""
+    lrn, rng, events = learner(replay_min_size=1), np.random.default_rng(18), []
+    lrn.insert(transitions(rng, 8))
+
+    def start(steps: int) -> RunningReplay:
+        run = lrn.replay.train(steps)
+
+        def finish():
+            events.append("finish")
+            return run
+        return RunningReplay(finish, wait=lambda: events.append(("wait", lrn.lock.locked())))
+    lrn.replay.start = start
+    running = lrn.start_replay(2)
+    lrn.insert(transitions(rng, 3))
+    assert events == []
+    lrn.snapshot()
+    assert events == ["finish"]
+    run = lrn.finish_replay(running)
+    assert events == ["finish", ("wait", False)] and run.steps == 2
+    assert lrn.finish_replay(lrn.start_replay(1)).steps == 1 and lrn.step_count == 3
 
 
 def test_an_inserts_checks_run_without_the_learners_lock():

@@ -158,14 +158,23 @@ def _grown(words: int) -> int:
 
 
 class _UploadBuffer:
-    """A pinned staging buffer for uploads and the event of its last copy."""
+    """A pinned staging buffer for uploads, the event of its last copy, and the event of the
+    last launch that reads it without a sync (:meth:`CudaReplay.insert`): the next copy
+    into it waits for that launch on the device."""
 
     def __init__(self, stream: cp.cuda.Stream):
         self.staging = _Staging()
         self.copied = cp.cuda.Event(disable_timing=True)
-        # The upload's call (server/core/native.c): its stream and event.
-        self.call = UploadCall(stream=stream.ptr, copied=self.copied.ptr)
+        self.read = cp.cuda.Event(disable_timing=True)
+        # The upload's call (server/core/native.c): its stream and events.
+        self.call = UploadCall(stream=stream.ptr, copied=self.copied.ptr, read=self.read.ptr)
         self.call_address = ctypes.addressof(self.call)
+
+    def make_room(self, words: int) -> None:
+        """Before the device buffer grows to ``words``: the launch that may still read the
+        memory it replaces is done."""
+        if words > self.staging.device.size:
+            self.read.synchronize()
 
 
 class _Uploaded(Upload):
@@ -403,6 +412,8 @@ class CudaBackend(Backend):
                 self._copy(buf, batch.address, batch.words)
             else:
                 buf.copied.synchronize()  # its previous copy out of the host buffer is done
+                buf.make_room(packed_layout(B, H, batch.h_t.dtype.itemsize,
+                                            batch.weights is not None)[1])
                 words = buf.staging.pack(batch)
                 self._copy(buf, buf.staging.host_ptr, words)
         except BaseException:
@@ -413,6 +424,7 @@ class CudaBackend(Backend):
     def _copy(self, buf: _UploadBuffer, address: int, words: int) -> None:
         """Copy ``words`` packed words from host ``address`` into the buffer's device memory
         and record the buffer's event after the copy."""
+        buf.make_room(words)
         buf.staging.reserve_device(words)
         status = self._native.copy(buf.call_address, buf.staging.device_ptr, address,
                                    4 * words)

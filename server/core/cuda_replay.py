@@ -5,8 +5,11 @@ their bits), priorities, leaves, the tree's sums and mins, the write-back's owne
 gathered batch and a run's report.  A buffer that does not fit the device's free memory is
 refused before any of it is allocated (:class:`ReplayTooLarge`).  An insert's rows reach
 the device in one of the backend's upload buffers, copied before the insert takes the
-learner's lock (:meth:`CudaReplay.upload`), or, with none free, through the backend's own
-step input buffer at the insert (:meth:`CudaBackend.stage`; the learner's lock is held).
+learner's lock and checked there by ``replay_check`` on the upload stream, so the host
+never reads them (:meth:`CudaReplay.upload`); with no buffer free, the host checks them
+and they go through the backend's own step input buffer at the insert
+(:meth:`CudaBackend.stage`; the learner's lock is held).  The insert itself is enqueued
+behind whatever the stream holds, a run left running included, and not waited for.
 
 A run of K ≤ :data:`RUN_STEPS` steps is one C call (server/core/native.c's
 ``duelq_replay_run``, without the GIL) that enqueues per step the draw (``replay_sample``:
@@ -39,10 +42,11 @@ from duelq.server.core.backend import Upload
 from duelq.server.core.cuda import (FEATURE_KINDS, THREADS, CudaBackend, _Uploaded,
                                     kernel_source)
 from duelq.server.core.errors import ReplayTooLarge
-from duelq.server.core.native import (CommitArgs, InsertArgs, ReplayRunCall, ReplayStepCall,
-                                      SampleArgs, field_address)
+from duelq.server.core.native import (CheckArgs, CommitArgs, InsertArgs, ReplayRunCall,
+                                      ReplayStepCall, SampleArgs, field_address)
 from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, ReplayState,
-                                      SumTree, beta_at, replay_bytes, tree_layout, tree_levels)
+                                      RunningReplay, SumTree, beta_at, replay_bytes,
+                                      tree_layout, tree_levels)
 from duelq.wire.types import Batch, Transitions
 
 RUN_STEPS = 64           # steps between two syncs (rows of the report)
@@ -54,6 +58,24 @@ def _packable(t: Transitions) -> Batch:
     """An insert's rows as the batch whose packed layout replay_insert reads (priorities in
     the weights' place)."""
     return Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones, t.discounts, t.priorities)
+
+
+def _ran(runs: list[tuple[int, bool, np.ndarray]]) -> ReplayRun:
+    """The :class:`ReplayRun` of device runs' (steps committed, halted, figures)."""
+    columns = np.concatenate([f for _, _, f in runs]).reshape(-1, 3) if runs else np.zeros((0, 3))
+    return ReplayRun(columns.shape[0], bool(runs) and runs[-1][1], *columns.T.copy())
+
+
+class _Check:
+    """replay_check's word for one upload buffer (on the device and its pinned host copy),
+    the event after the copy back, and the kernel's arguments."""
+
+    def __init__(self):
+        self.device = cp.zeros(1, np.uint32)
+        self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(4), np.uint32, 1)
+        self.done = cp.cuda.Event(disable_timing=True)
+        self.args = CheckArgs(refused=self.device.data.ptr)
+        self.params = _params(self.args)
 
 
 def _params(args: ctypes.Structure) -> ctypes.Array:
@@ -81,6 +103,8 @@ def device_bytes(config: LearnerConfig) -> int:
 
 class CudaReplay(ReplayBuffer):
     """The replay buffer resident on ``backend``'s device, stepped on its stream."""
+
+    checks_values = True
 
     def __init__(self, config: LearnerConfig, backend: CudaBackend):
         super().__init__(config, backend)
@@ -123,6 +147,7 @@ class CudaReplay(ReplayBuffer):
         stream.synchronize()
         n = self._report.nbytes
         self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
+        self._done = cp.cuda.Event(disable_timing=True)   # a run's report is back
         seed = config.replay_seed
         self._sample_args = SampleArgs(   # a draw sets draw, mark and beta
             leaves=self._leaves.data.ptr, sums=self._sums.data.ptr, mins=self._mins.data.ptr,
@@ -147,7 +172,8 @@ class CudaReplay(ReplayBuffer):
             commit_stats_row=field_address(commit, "stats_row"),
             steps=ctypes.addressof(self._steps), control=self._report.data.ptr,
             report=self._report_host.ctypes.data, report_device=self._report.data.ptr,
-            report_bytes=self._report.nbytes)
+            report_bytes=self._report.nbytes, done=self._done.ptr)
+        self._checks: dict[int, _Check] = {}   # by upload buffer (one upload uses it at a time)
         self._counters = dict(cursor=0, size=0, inserted=0, sampled=0, draws=0)
 
     def _compile(self) -> None:
@@ -160,6 +186,7 @@ class CudaReplay(ReplayBuffer):
         self._sample = module.get_function("replay_sample")
         self._commit = module.get_function("replay_commit")
         self._insert = module.get_function("replay_insert")
+        self._check = module.get_function("replay_check")
         layout = cp.ndarray(2, np.uint32, module.get_global("replay_layout")).get()
         self._tree_barriers, row_bytes = (int(x) for x in layout)
         assert row_bytes == c.hidden_dim * self._dtype.itemsize, "kernel and host disagree"
@@ -206,25 +233,64 @@ class CudaReplay(ReplayBuffer):
 
     # ---- inserts ------------------------------------------------------------------------
     def upload(self, t: Transitions | PackedBatch) -> Upload | None:
-        return self.backend.upload(t if type(t) is PackedBatch else _packable(t))
+        """The backend's upload of the rows, then replay_check of them on the upload stream
+        (a zeroed word, the kernel, the word's copy back, an event): :meth:`checked`."""
+        packed = t if type(t) is PackedBatch else None
+        upload = self.backend.upload(t if packed is not None else _packable(t))
+        if upload is None:
+            return None
+        try:
+            buf = upload.buffer
+            check = self._checks.get(id(buf)) or self._checks.setdefault(id(buf), _Check())
+            a = check.args
+            a.staged, a.count = buf.staging.device_ptr, t.size
+            a.staged_kind = FEATURE_KINDS[packed.dtype if packed is not None else t.h_t.dtype]
+            a.has_priorities = (packed.has_weights if packed is not None
+                                else t.priorities is not None)
+            stream = self.backend._upload_stream
+            elements = 2 * t.size * self.config.hidden_dim
+            blocks = min(self.backend.max_blocks, -(-elements // (8 * THREADS)))
+            cp.cuda.runtime.memsetAsync(check.device.data.ptr, 0, 4, stream.ptr)
+            driver.launchKernel(self._check.kernel.ptr, blocks, 1, 1, THREADS, 1, 1, 0,
+                                stream.ptr, ctypes.addressof(check.params), 0)
+            cp.cuda.runtime.memcpyAsync(check.host.ctypes.data, check.device.data.ptr, 4,
+                                        cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+            check.done.record(stream)
+        except BaseException:
+            upload.close()
+            raise
+        return upload
+
+    def checked(self, upload: Upload) -> bool:
+        check = self._checks[id(upload.buffer)]
+        check.done.synchronize()
+        return int(check.host[0]) == 0
 
     def insert(self, t: Transitions, upload: Upload | None = None) -> None:
-        """Store the rows that ``upload`` brought to the device (without one, stage them as a
-        step's batch is); return once the insert has run, its staging free again."""
+        """Store the rows that ``upload`` brought to the device, behind whatever is enqueued
+        (a run left running included), without waiting for it: the upload buffer's next
+        copy waits on the device for this launch.  Without an upload, stage them as a
+        step's batch is (the step's own input buffer) and wait for the insert."""
         b, c, n = self.backend, self._counters, t.size
         buf = upload.buffer if type(upload) is _Uploaded else None
-        waited = False   # the stream waits for the upload's copy
-        try:
+        waited = launched = False   # the stream waits for the upload's copy; the insert
+        try:                        # is enqueued
             with b.stream:
                 if buf is None:
-                    b.stage(_packable(t))   # into the step's own input buffer
+                    b.stage(_packable(t))
                     staged = b._inputs.device_ptr
                 else:
                     b.stream.wait_event(buf.copied)
                     staged, waited = buf.staging.device_ptr, True
                 self._launch_insert(t, staged)
+                launched = True
+                if buf is not None:
+                    buf.read.record(b.stream)
         finally:
-            b.stream.synchronize()   # the staged rows are read (even after a failed launch)
+            if buf is not None and launched:
+                buf.copied.synchronize()   # the copy is done with the caller's bytes
+            else:
+                b.stream.synchronize()     # the staged rows are read (or the launch failed)
             if upload is not None:   # else its close waits for the copy
                 upload.consumed = waited
         C = self.config.replay_capacity
@@ -271,34 +337,51 @@ class CudaReplay(ReplayBuffer):
 
     # ---- training -----------------------------------------------------------------------
     def train(self, steps: int) -> ReplayRun:
+        return self.start(steps).finish()
+
+    def start(self, steps: int) -> RunningReplay:
+        """Runs of :data:`RUN_STEPS` steps, waited for, until the last, which is enqueued
+        and left running: finishing it waits for it."""
         b, B = self.backend, self.config.replay_batch_size
         G = b.grid(B)[0]
         b._outputs.reserve(2 * B + 1 + 5 * G)
-        stats, refused = [], False
-        while steps > 0 and not refused:
-            run = min(steps, RUN_STEPS)
-            committed, refused, figures = self._run(run, G)
-            stats.append(figures[:committed])
-            steps -= run
-        columns = np.concatenate(stats).reshape(-1, 3) if stats else np.zeros((0, 3))
-        return ReplayRun(columns.shape[0], refused, *columns.T.copy())
+        done: list[tuple[int, bool, np.ndarray]] = []
+        while steps > RUN_STEPS and not (done and done[-1][1]):
+            self._enqueue(RUN_STEPS, G)
+            done.append(self._finish())
+            steps -= RUN_STEPS
+        if done and done[-1][1]:   # halted: the rest is not drawn
+            return RunningReplay(lambda: _ran(done))
+        self._enqueue(steps, G)
+        return RunningReplay(lambda: _ran(done + [self._finish()]), wait=self._wait)
 
-    def _run(self, run: int, G: int) -> tuple[int, bool, np.ndarray]:
-        """Enqueue ``run`` steps, then wait for them (one C call, without the GIL): (steps
-        committed, halted, [RUN_STEPS, 3] loss, mean Q, gradient norm).  The counters follow
-        what the device did, even when an enqueue fails."""
+    def _enqueue(self, run: int, G: int) -> None:
+        """Enqueue ``run`` steps and their report's copy back (one C call, without the GIL).
+        After a failed launch: wait for what was enqueued, follow it, raise."""
+        self._report_host[:8] = 0
+        status = self.backend._native.replay_run(ctypes.addressof(self._prepare(run, G)))
+        if status:
+            self._finish()
+            driver.check_status(status)
+
+    def _wait(self) -> None:
+        """Wait for the last run's report (without the GIL)."""
+        status = self.backend._native.replay_wait(ctypes.addressof(self._call))
+        if status:
+            driver.check_status(status)
+
+    def _finish(self) -> tuple[int, bool, np.ndarray]:
+        """Wait for the last run; the counters follow what the device did.  Returns (steps
+        committed, halted, their [committed, 3] loss, mean Q and gradient norm)."""
         b, c, B = self.backend, self._counters, self.config.replay_batch_size
-        call, host = self._prepare(run, G), self._report_host
-        host[:8] = 0
-        status = b._native.replay_run(ctypes.addressof(call))
+        self._wait()
+        host = self._report_host
         control = host[:8].view(np.uint32)
         committed, halted = int(control[1]), bool(control[0])
         b._step += committed
         c["draws"] += committed + halted
         c["sampled"] += committed * B
-        if status:
-            driver.check_status(status)
-        return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3).copy()
+        return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3)[:committed].copy()
 
     def _prepare(self, run: int, G: int) -> ReplayRunCall:
         """The C call that enqueues the next ``run`` steps (learner_step on G blocks), filled

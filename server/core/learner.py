@@ -11,12 +11,13 @@ the device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -27,7 +28,8 @@ from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import (InvalidArgument, NonFiniteStep, ReplayNotReady,
                                       ReplayTooLarge, ResourceExhausted)
 from duelq.server.core.replay import (ReferenceReplay, ReplayBuffer, ReplayRun,
-                                      ReplayState, replay_bytes, validate_transitions)
+                                      ReplayState, RunningReplay, replay_bytes,
+                                      validate_transitions)
 from duelq.server.core.state import LearnerState, Params
 from duelq.wire.types import FEATURE_DTYPES, ReplayInfo, Transitions
 
@@ -192,10 +194,20 @@ class Learner:
         self.backend = (backend if isinstance(backend, Backend)
                         else make_backend(backend, config, state))
         self.lock = threading.Lock()
-        """Serialises the backend's use: steps, reads, snapshots."""
+        """Serialises the backend's use: steps, inserts, reads, snapshots."""
+        self._running: RunningReplay | None = None   # a replay run left running
         self.replay: ReplayBuffer | None = (make_replay(config, self.backend)
                                             if config.replay_capacity else None)
         """The server-side replay buffer (replay_capacity > 0), else None."""
+
+    @contextlib.contextmanager
+    def _settled(self) -> Iterator[None]:
+        """The lock, with any replay run left running (:meth:`start_replay`) finished."""
+        with self.lock:
+            if self._running is not None:
+                running, self._running = self._running, None
+                running.finish()
+            yield
 
     @property
     def step_count(self) -> int:
@@ -225,7 +237,7 @@ class Learner:
         """Validate ``batch`` (unless prepared), run one step, commit it unless it is
         non-finite."""
         prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
-        with prepared, self.lock:
+        with prepared, self._settled():
             out = self.backend.propose(prepared.batch, prepared.upload)
             if not out.inputs_valid:  # the backend's check; the host names the culprit
                 self.backend.discard()
@@ -250,7 +262,7 @@ class Learner:
         if h.shape[0] > self.max_batch_size:
             raise ResourceExhausted(f"h: {h.shape[0]} rows exceed the limit "
                                     f"{self.max_batch_size}")
-        with self.lock:
+        with self._settled():
             return self.backend.q_values(h, target)
 
     def compute_entropy(self, actions: np.ndarray, slot: str | int,
@@ -262,13 +274,13 @@ class Learner:
             raise InvalidArgument("alpha", f"must be in (0, 1], got {alpha!r}")
         actions = validate_actions(actions, self.config.n_actions,
                                    max_len=self.max_batch_size)
-        with self.lock:
+        with self._settled():
             entropy, ema = self.backend.entropy(actions, index, float(alpha))
         return EntropyResult(entropy=entropy, ema=ema, slot=index)
 
     def weights(self, target: bool = False) -> tuple[Params, int]:
         """Host copy of θ (or θ⁻) and its version."""
-        with self.lock:
+        with self._settled():
             return self.backend.weights(target), self.backend.step
 
     def read_isv(self, slots: Iterable[str | int]) -> list[ISVValue]:
@@ -278,19 +290,19 @@ class Learner:
         indices = np.array([self.config.slot_index(s, f"slots[{i}]") for i, s in enumerate(slots)],
                            dtype=np.int64)
         names = {i: n for n, i in self.config.isv_slots.items()}
-        with self.lock:
+        with self._settled():
             values, observed = self.backend.read_isv(indices)
         return [ISVValue(int(i), names.get(int(i), ""), float(v), bool(o))
                 for i, v, o in zip(indices, values, observed)]
 
     def snapshot(self) -> LearnerState:
         """Host copy of the whole state (for checkpoints and tests)."""
-        with self.lock:
+        with self._settled():
             return self.backend.snapshot()
 
     def load(self, state: LearnerState) -> None:
         """Replace the whole state, e.g. from a checkpoint."""
-        with self.lock:
+        with self._settled():
             self.backend.load(state)
 
     # ---- the server-side replay buffer ----------------------------------------------
@@ -303,16 +315,31 @@ class Learner:
         """Check every row of ``transitions`` and start their copy to the device; no lock is
         taken, so an insert's checks and copy run beside steps.  Rows a front process
         packed (priorities in the weights' place) are copied as they lie: the buffer takes
-        every accepted row in its own dtype or, float32, widens 16-bit ones itself."""
+        every accepted row in its own dtype or, float32, widens 16-bit ones itself.  A buffer
+        that checks values on the device does so as they arrive (the host does not read
+        them then; it checks them itself when no staging is free); a refusal names its
+        field either way."""
         replay = self._replay()
         packed = transitions if type(transitions) is PackedBatch else None
         if packed is not None:
             b = packed.batch()
             transitions = Transitions(b.h_t, b.h_tp1, b.actions, b.rewards, b.dones,
                                       b.discounts, b.weights)
-        rows = validate_transitions(transitions, self.config,
-                                    min(self.max_batch_size, self.config.replay_capacity))
-        return PreparedInsert(rows, replay.upload(rows if packed is None else packed))
+        max_rows = min(self.max_batch_size, self.config.replay_capacity)
+        rows = validate_transitions(transitions, self.config, max_rows,
+                                    check_values=not replay.checks_values)
+        upload = replay.upload(rows if packed is None else packed)
+        try:
+            if replay.checks_values and (upload is None or not replay.checked(upload)):
+                validate_transitions(transitions, self.config, max_rows)   # names the field
+                if upload is not None:
+                    raise RuntimeError("the device refused an insert's value that the host "
+                                       "does not find")
+        except BaseException:
+            if upload is not None:
+                upload.close()
+            raise
+        return PreparedInsert(rows, upload)
 
     def insert(self, transitions: Transitions | PreparedInsert) -> InsertResult:
         """Check every row of ``transitions`` (unless prepared), then store them all in the
@@ -329,30 +356,44 @@ class Learner:
     def train_replay(self, steps: int) -> ReplayRun:
         """Up to ``steps`` learner steps drawn from the replay buffer (fewer only when one
         would be non-finite: it is refused, as a batch's would be, and the run stops)."""
+        return self.finish_replay(self.start_replay(steps))
+
+    def start_replay(self, steps: int) -> RunningReplay:
+        """:meth:`train_replay`, begun on the device and left running: inserts may go on
+        meanwhile (their rows go in after the run's steps); anything else that uses the
+        learner first waits for the run.  :meth:`finish_replay` gives what it did."""
         replay = self._replay()
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidArgument("steps", f"must be an integer ≥ 1, got {steps!r}")
-        with self.lock:
+        with self._settled():
             replay.ready()
-            return replay.train(steps)
+            self._running = replay.start(steps)
+            return self._running
+
+    def finish_replay(self, running: RunningReplay) -> ReplayRun:
+        """Wait for a run that :meth:`start_replay` began, without the lock, then finish it
+        (unless a call that needed the learner did already)."""
+        running.wait()
+        with self._settled():
+            return running.finish()
 
     def replay_due(self) -> int:
         """Learner steps that replay_ratio asks for now (0 with the buffer off)."""
         if self.replay is None:
             return 0
-        with self.lock:
+        with self._settled():
             return self.replay.due_steps()
 
     def replay_info(self) -> ReplayInfo:
         """The replay buffer's figures."""
         replay = self._replay()
-        with self.lock:
+        with self._settled():
             return replay.info()
 
     def replay_snapshot(self) -> ReplayState:
         """Host copy of the whole replay buffer (for checkpoints and tests)."""
         replay = self._replay()
-        with self.lock:
+        with self._settled():
             return replay.snapshot()
 
     def load_replay(self, state: ReplayState) -> None:
@@ -362,5 +403,5 @@ class Learner:
         problem = state.problem(self.config)
         if problem:
             raise InvalidArgument("replay", problem)
-        with self.lock:
+        with self._settled():
             replay.load(state)

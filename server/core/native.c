@@ -28,6 +28,7 @@ static CUresult (*memset_d32)(CUdeviceptr, unsigned, size_t, CUstream);
 static CUresult (*event_record)(CUevent, CUstream);
 static CUresult (*stream_wait_event)(CUstream, CUevent, unsigned);
 static CUresult (*stream_synchronize)(CUstream);
+static CUresult (*event_synchronize)(CUevent);
 
 /* Resolve the driver's entry points; 0 on success, else the 1-based index of the one
  * missing (-1: no libcuda.so.1). */
@@ -43,6 +44,7 @@ int duelq_init(void) {
         {(void **)&event_record, "cuEventRecord"},
         {(void **)&stream_wait_event, "cuStreamWaitEvent"},
         {(void **)&stream_synchronize, "cuStreamSynchronize"},
+        {(void **)&event_synchronize, "cuEventSynchronize"},
     };
     for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
         *entries[i].fn = dlsym(cuda, entries[i].name);
@@ -51,16 +53,19 @@ int duelq_init(void) {
     return 0;
 }
 
-/* An upload slot's stream and the event that marks the end of its last copy. */
+/* An upload buffer's stream, the event that marks the end of its last copy, and the one
+ * recorded after the last launch that reads it without a sync (a replay insert's). */
 struct duelq_upload {
     CUstream stream;
-    CUevent copied;
+    CUevent copied, read;
 };
 
 /* A packed batch's words (host ``src``, pinned) to the device at ``dst`` on the upload's
- * stream; the upload's event marks the copy's end. */
+ * stream, once the last launch that reads the buffer is done; the upload's event marks
+ * the copy's end. */
 int duelq_copy(const struct duelq_upload *u, CUdeviceptr dst, const void *src, size_t nbytes) {
-    CUresult r = memcpy_htod(dst, src, nbytes, u->stream);
+    CUresult r = stream_wait_event(u->stream, u->read, 0);
+    if (r == 0) r = memcpy_htod(dst, src, nbytes, u->stream);
     if (r == 0) r = event_record(u->copied, u->stream);
     return r;
 }
@@ -136,6 +141,7 @@ struct duelq_replay_run {
     void *report;          /* pinned host copy of the report (control, then stats) */
     CUdeviceptr report_device;
     size_t report_bytes;
+    CUevent done;          /* recorded once the report is back */
 };
 
 /* Enqueue the run's steps after zeroing its control words; no copy back, no sync. */
@@ -157,14 +163,17 @@ int duelq_replay_enqueue(struct duelq_replay_run *r) {
     return e;
 }
 
-/* The run: enqueued, its report copied back, the stream synchronized (even after a failed
- * enqueue, so that the host's counters can follow what the device did). */
+/* The run enqueued, then the copy of its report back and its `done` event (whatever
+ * failed: the host's counters follow what the device did; duelq_replay_wait). */
 int duelq_replay_run(struct duelq_replay_run *r) {
     CUresult e = duelq_replay_enqueue(r);
     CUresult copied = memcpy_dtoh(r->report, r->report_device, r->report_bytes, r->stream);
-    CUresult synced = stream_synchronize(r->stream);
-    return e != 0 ? e : copied != 0 ? copied : synced;
+    CUresult recorded = event_record(r->done, r->stream);
+    return e != 0 ? e : copied != 0 ? copied : recorded;
 }
+
+/* Wait for the run's report. */
+int duelq_replay_wait(const struct duelq_replay_run *r) { return event_synchronize(r->done); }
 
 /* duelq_stream_copy: src[offset, offset + n) to dst, its whole 64-byte blocks from dst's
  * first 16-byte boundary on with non-temporal stores (the ≤ 15 bytes before and ≤ 63 after

@@ -97,6 +97,7 @@ StepArgs = c_struct(kernel_source("learner_step.cu"), "StepArgs")
 SampleArgs = c_struct(kernel_source("replay.cu"), "SampleArgs")
 CommitArgs = c_struct(kernel_source("replay.cu"), "CommitArgs")
 InsertArgs = c_struct(kernel_source("replay.cu"), "InsertArgs")
+CheckArgs = c_struct(kernel_source("replay.cu"), "CheckArgs")
 
 
 class NativeUnavailable(RuntimeError):
@@ -173,8 +174,10 @@ class Native:
         self.step.argtypes = (ctypes.c_void_p,)
         self.replay_enqueue = keeps_gil.duelq_replay_enqueue
         self.replay_enqueue.argtypes = (ctypes.c_void_p,)
-        self.replay_run = releases_gil.duelq_replay_run   # waits for the run's steps
+        self.replay_run = releases_gil.duelq_replay_run   # 3 launches a step
         self.replay_run.argtypes = (ctypes.c_void_p,)
+        self.replay_wait = releases_gil.duelq_replay_wait
+        self.replay_wait.argtypes = (ctypes.c_void_p,)
         self._init = keeps_gil.duelq_init
 
     def init_cuda(self) -> None:

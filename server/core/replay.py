@@ -45,6 +45,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -380,12 +381,15 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 # ---- inputs and outputs ----------------------------------------------------------------
 
-def validate_transitions(t: Transitions, config: LearnerConfig, max_rows: int) -> Transitions:
-    """Check every field of an insert: a batch's checks (DESIGN §6), ``priorities`` those of
-    weights and > 0, features of a 16-bit buffer in its own dtype; at most ``max_rows`` rows.
-    Returns the rows as the buffer stores them, but that 16-bit features bound for a float32
-    buffer stay 16-bit (the buffer widens them as it stores them, exactly).  Raises
-    InvalidArgument naming the first bad field, or ResourceExhausted past ``max_rows``."""
+def validate_transitions(t: Transitions, config: LearnerConfig, max_rows: int, *,
+                         check_values: bool = True) -> Transitions:
+    """Check every field of an insert: a batch's checks (docs/design.md §7), ``priorities``
+    those of weights and > 0, features of a 16-bit buffer in its own dtype; at most
+    ``max_rows`` rows.  ``check_values=False`` checks dtypes and shapes only (for a buffer
+    that checks the values on the device: :attr:`ReplayBuffer.checks_values`).  Returns the
+    rows as the buffer stores them, but that 16-bit features bound for a float32 buffer
+    stay 16-bit (the buffer widens them as it stores them, exactly).  Raises InvalidArgument
+    naming the first bad field, or ResourceExhausted past ``max_rows``."""
     if not isinstance(t, Transitions):
         raise InvalidArgument("transitions", f"must be Transitions, got {type(t).__name__}")
     storage = STORAGE_DTYPES[config.replay_dtype]
@@ -398,13 +402,13 @@ def validate_transitions(t: Transitions, config: LearnerConfig, max_rows: int) -
     try:
         batch = validate_batch(Batch(t.h_t, t.h_tp1, t.actions, t.rewards, t.dones,
                                      t.discounts, t.priorities), config, max_rows,
-                               keep=FEATURE_DTYPES)
+                               check_values=check_values, keep=FEATURE_DTYPES)
     except InvalidArgument as exc:
         if exc.field != "weights":
             raise
         raise InvalidArgument("priorities", exc.problem.replace("≥ 0", "> 0")) from None
     priorities = batch.weights
-    if priorities is not None and not np.all(priorities > 0):
+    if check_values and priorities is not None and not np.all(priorities > 0):
         bad = int(np.flatnonzero(~(priorities > 0))[0])
         raise InvalidArgument("priorities", f"must be > 0; element {bad} is {priorities[bad]}")
     return Transitions(batch.h_t, batch.h_tp1, batch.actions, batch.rewards, batch.dones,
@@ -434,6 +438,24 @@ class ReplayRun:
     grad_norms: np.ndarray     # [steps] float64, before clipping
 
 
+class RunningReplay:
+    """A run that :meth:`ReplayBuffer.start` began: :meth:`wait` for the device (no lock
+    needed), then :meth:`finish` (under the learner's lock) for its counters and report."""
+
+    def __init__(self, finish: Callable[[], ReplayRun],
+                 wait: Callable[[], None] = lambda: None):
+        self.wait = wait
+        self._finish: Callable[[], ReplayRun] | None = finish
+        self._run: ReplayRun | None = None
+
+    def finish(self) -> ReplayRun:
+        """Wait for the run, apply its counters (once), and return what it did."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._run = finish()
+        return self._run
+
+
 def replay_bytes(config: LearnerConfig) -> int:
     """Memory a buffer of ``config`` takes: rows, priorities, leaves and the tree's levels."""
     C, H = config.replay_capacity, config.hidden_dim
@@ -448,6 +470,10 @@ class ReplayBuffer(abc.ABC):
 
     Not thread-safe: the learner calls it under its lock."""
 
+    checks_values = False
+    """True: :meth:`upload` also checks the rows' values on the device (:meth:`checked`), so
+    the host checks only their dtypes and shapes first."""
+
     def __init__(self, config: LearnerConfig, backend: Backend):
         self.config, self.backend = config, backend
 
@@ -457,10 +483,17 @@ class ReplayBuffer(abc.ABC):
         """cursor, size, inserted, sampled, draws."""
 
     def upload(self, t: Transitions | PackedBatch) -> Upload | None:
-        """Start copying validated rows (or the words a front process packed them in) to
-        the device before their insert (thread-safe, as :meth:`Backend.upload`).  None:
-        nothing to do, or no staging space free now."""
+        """Start copying rows whose dtypes and shapes passed (or the words a front process
+        packed them in) to the device before their insert, and checking their values there
+        (thread-safe, as :meth:`Backend.upload`).  None: nothing to do, or no staging space
+        free now."""
         return None
+
+    def checked(self, upload: Upload) -> bool:
+        """(With :attr:`checks_values`.)  Whether every value of the rows that ``upload``
+        carries passed the device's check, waiting for it; if not, the host checks them
+        and names the culprit."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def insert(self, t: Transitions, upload: Upload | None = None) -> None:
@@ -471,6 +504,12 @@ class ReplayBuffer(abc.ABC):
     def train(self, steps: int) -> ReplayRun:
         """Up to ``steps`` learner steps drawn from the buffer, each written back before the
         next draw; stops at the first refused one.  The caller checks the size first."""
+
+    def start(self, steps: int) -> RunningReplay:
+        """:meth:`train`, begun: until the run is finished, only :meth:`insert` may be
+        called, and its rows go in after the run's steps.  This one trains at once."""
+        run = self.train(steps)
+        return RunningReplay(lambda: run)
 
     @abc.abstractmethod
     def snapshot(self) -> ReplayState:
