@@ -4,7 +4,7 @@
 
 A replay step is three launches (replay_sample, learner_step, replay_commit: the draw, the
 step, the write-back and the tree update), timed as a run of RUN_STEPS enqueues them (the
-C call of server/core/cuda_replay.py, without its sync); the plain step is learner_step
+C call of server/core/cuda_replay.py, not waited for); the plain step is learner_step
 alone on the same gathered batch; "draw alone" and "commit alone" time replay_sample and
 replay_commit by themselves, the commit also on other block counts than tree_blocks picks.
 All are timed as benchmarks/device_step.py times a step (the queue filled behind a spin
@@ -62,8 +62,8 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
     G = backend.grid(B)[0]
     draws = iter(range(10 ** 9))
 
-    def replay_run() -> None:   # RUN_STEPS steps, enqueued as a run is: figures not read
-        backend._native.replay_enqueue(ctypes.addressof(replay._prepare(RUN_STEPS, G)))
+    def replay_run() -> None:   # RUN_STEPS steps, enqueued as a run is, not waited for
+        backend._native.replay_run(ctypes.addressof(replay._prepare(RUN_STEPS, G)))
 
     def plain_step() -> None:
         backend.launch(B, True, replay._gathered, replay._kind)

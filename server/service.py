@@ -502,7 +502,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                     result, key if key is not None else job.key.SerializeToString())
             else:
                 response = train_response(result, job.key)
-            if self.checkpoints is not None:  # under the apply lock: steps arrive in order
+            if self.checkpoints is not None:
                 self.checkpoints.notify(response.step)
             return response
         return self._keyed(job.key, pb.TrainResponse, apply, context)

@@ -370,6 +370,21 @@ def test_a_run_left_running_is_finished_before_anything_but_an_insert():
     assert lrn.finish_replay(lrn.start_replay(1)).steps == 1 and lrn.step_count == 3
 
 
+def test_a_run_whose_finish_fails_raises_at_every_finish():
+    """A finish that fails (the device lost, say) is not retried, and never passes for a
+    run that did nothing: every later finish raises the same error."""
+    calls = []
+
+    def finish():
+        calls.append(1)
+        raise RuntimeError("device lost")
+    running = RunningReplay(finish)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="device lost"):
+            running.finish()
+    assert calls == [1]
+
+
 def test_an_inserts_checks_run_without_the_learners_lock():
     """prepare_insert checks the rows beside steps, without the lock; inserting what it
     prepared stores what an insert of the rows themselves does."""

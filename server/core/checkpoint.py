@@ -404,8 +404,10 @@ class CheckpointWriter:
             self._thread.start()
 
     def notify(self, step: int) -> None:
-        """A step was applied; cheap enough for the step path (no I/O, no lock)."""
-        self._latest = step
+        """Steps up to ``step`` were applied; cheap enough for the step path (no I/O, no
+        lock).  Callers may tell out of order (the replay loop's runs end outside the apply
+        lock): the latest step is the largest told."""
+        self._latest = max(self._latest, step)
         if 0 <= self._due <= step:
             self._wake.set()
 

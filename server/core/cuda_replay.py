@@ -17,12 +17,14 @@ rows, weights, the gather into learner_step's packed inputs), the backend's own
 ``learner_step`` on them, and ``replay_commit``, which applies the step on the device (the
 proposed state copied over the current one, priorities written back, the tree updated) or,
 for a non-finite step, marks the run halted, after which the run's remaining steps change
-nothing; then it copies back the run's report (the steps committed, whether it halted, each
-step's loss, mean Q and gradient norm) and waits for it.  The host fills each step's own
-values (draw, owner mark, β, epoch, barrier targets, Adam's step t) beforehand; C writes
-them into the three kernels' argument structs before each launch.  No other host round
-trip: a step's decision is the device's, made as the host's :meth:`CudaBackend.propose`
-would.
+nothing; then it enqueues the copy back of the run's report (the steps committed, whether
+it halted, each step's loss, mean Q and gradient norm) and an event, and returns: the run
+is left running (:meth:`CudaReplay.start`), and finishing it waits for that event
+(``duelq_replay_wait``) and makes the counters follow the report.  The host fills each
+step's own values (draw, owner mark, β, epoch, barrier targets, Adam's step t)
+beforehand; C writes them into the three kernels' argument structs before each launch.
+No other host round trip: a step's decision is the device's, made as the host's
+:meth:`CudaBackend.propose` would.
 
 The draws, weights, priorities and tree are those of :class:`ReferenceReplay` bit for bit
 (server/core/replay.py; tests/test_cuda_replay.py holds them together step by step).
@@ -71,7 +73,7 @@ class _Check:
     the event after the copy back, and the kernel's arguments."""
 
     def __init__(self):
-        self.device = cp.zeros(1, np.uint32)
+        self.device = cp.empty(1, np.uint32)   # zeroed on the upload stream before each use
         self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(4), np.uint32, 1)
         self.done = cp.cuda.Event(disable_timing=True)
         self.args = CheckArgs(refused=self.device.data.ptr)
@@ -273,9 +275,9 @@ class CudaReplay(ReplayBuffer):
         step's batch is (the step's own input buffer) and wait for the insert."""
         b, c, n = self.backend, self._counters, t.size
         buf = upload.buffer if type(upload) is _Uploaded else None
-        waited = launched = False   # the stream waits for the upload's copy; the insert
-        try:                        # is enqueued
-            with b.stream:
+        waited = launched = marked = False   # the stream waits for the upload's copy; the
+        try:                                 # insert is enqueued; the buffer's read event
+            with b.stream:                   # is recorded after it
                 if buf is None:
                     b.stage(_packable(t))
                     staged = b._inputs.device_ptr
@@ -286,16 +288,18 @@ class CudaReplay(ReplayBuffer):
                 launched = True
                 if buf is not None:
                     buf.read.record(b.stream)
+                    marked = True
         finally:
-            if buf is not None and launched:
+            if marked:
                 buf.copied.synchronize()   # the copy is done with the caller's bytes
             else:
-                b.stream.synchronize()     # the staged rows are read (or the launch failed)
+                b.stream.synchronize()     # the staged rows are read (or something failed)
             if upload is not None:   # else its close waits for the copy
                 upload.consumed = waited
-        C = self.config.replay_capacity
-        c["cursor"], c["size"], c["inserted"] = ((c["cursor"] + n) % C, min(c["size"] + n, C),
-                                                 c["inserted"] + n)
+            if launched:   # the rows go in: the counters follow
+                C = self.config.replay_capacity
+                c["cursor"], c["size"], c["inserted"] = (
+                    (c["cursor"] + n) % C, min(c["size"] + n, C), c["inserted"] + n)
 
     def _launch_insert(self, t: Transitions, staged: int) -> None:
         """replay_insert of ``t``'s rows, packed at device address ``staged``, at the cursor."""
@@ -357,11 +361,13 @@ class CudaReplay(ReplayBuffer):
 
     def _enqueue(self, run: int, G: int) -> None:
         """Enqueue ``run`` steps and their report's copy back (one C call, without the GIL).
-        After a failed launch: wait for what was enqueued, follow it, raise."""
-        self._report_host[:8] = 0
+        After a failure (the copy back and its event may not have been enqueued): wait for
+        the stream, read the report itself, follow it, raise."""
         status = self.backend._native.replay_run(ctypes.addressof(self._prepare(run, G)))
         if status:
-            self._finish()
+            self.backend.stream.synchronize()
+            self._report_host[:] = self._report.get(stream=self.backend.stream)
+            self._follow()
             driver.check_status(status)
 
     def _wait(self) -> None:
@@ -371,17 +377,23 @@ class CudaReplay(ReplayBuffer):
             driver.check_status(status)
 
     def _finish(self) -> tuple[int, bool, np.ndarray]:
-        """Wait for the last run; the counters follow what the device did.  Returns (steps
-        committed, halted, their [committed, 3] loss, mean Q and gradient norm)."""
-        b, c, B = self.backend, self._counters, self.config.replay_batch_size
+        """Wait for the last run, then :meth:`_follow` its report."""
         self._wait()
+        return self._follow()
+
+    def _follow(self) -> tuple[int, bool, np.ndarray]:
+        """The counters follow what the device did in the last run, as its report says.
+        Returns (steps committed, halted, their [committed, 3] loss, mean Q and gradient
+        norm)."""
+        b, c, B = self.backend, self._counters, self.config.replay_batch_size
         host = self._report_host
         control = host[:8].view(np.uint32)
         committed, halted = int(control[1]), bool(control[0])
         b._step += committed
         c["draws"] += committed + halted
         c["sampled"] += committed * B
-        return committed, halted, host[8:].view(np.float64).reshape(RUN_STEPS, 3)[:committed].copy()
+        figures = host[8:].view(np.float64).reshape(RUN_STEPS, 3)
+        return committed, halted, figures[:committed].copy()
 
     def _prepare(self, run: int, G: int) -> ReplayRunCall:
         """The C call that enqueues the next ``run`` steps (learner_step on G blocks), filled

@@ -144,8 +144,8 @@ struct duelq_replay_run {
     CUevent done;          /* recorded once the report is back */
 };
 
-/* Enqueue the run's steps after zeroing its control words; no copy back, no sync. */
-int duelq_replay_enqueue(struct duelq_replay_run *r) {
+/* Enqueue the run's steps after zeroing its control words. */
+static int replay_enqueue(struct duelq_replay_run *r) {
     CUresult e = memset_d32(r->control, 0u, 2, r->stream);
     for (int j = 0; j < r->count && e == 0; ++j) {
         const struct duelq_replay_step *s = &r->steps[j];
@@ -166,7 +166,7 @@ int duelq_replay_enqueue(struct duelq_replay_run *r) {
 /* The run enqueued, then the copy of its report back and its `done` event (whatever
  * failed: the host's counters follow what the device did; duelq_replay_wait). */
 int duelq_replay_run(struct duelq_replay_run *r) {
-    CUresult e = duelq_replay_enqueue(r);
+    CUresult e = replay_enqueue(r);
     CUresult copied = memcpy_dtoh(r->report, r->report_device, r->report_bytes, r->stream);
     CUresult recorded = event_record(r->done, r->stream);
     return e != 0 ? e : copied != 0 ? copied : recorded;

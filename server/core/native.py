@@ -172,8 +172,6 @@ class Native:
         self.stream_copy.restype = None
         self.step = releases_gil.duelq_step
         self.step.argtypes = (ctypes.c_void_p,)
-        self.replay_enqueue = keeps_gil.duelq_replay_enqueue
-        self.replay_enqueue.argtypes = (ctypes.c_void_p,)
         self.replay_run = releases_gil.duelq_replay_run   # 3 launches a step
         self.replay_run.argtypes = (ctypes.c_void_p,)
         self.replay_wait = releases_gil.duelq_replay_wait

@@ -447,12 +447,19 @@ class RunningReplay:
         self.wait = wait
         self._finish: Callable[[], ReplayRun] | None = finish
         self._run: ReplayRun | None = None
+        self._error: BaseException | None = None
 
     def finish(self) -> ReplayRun:
-        """Wait for the run, apply its counters (once), and return what it did."""
+        """Wait for the run, apply its counters (once), and return what it did; if that
+        failed, raise its error, at this call and every later one."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            self._run = finish()
+            try:
+                self._run = finish()
+            except BaseException as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
         return self._run
 
 
@@ -468,7 +475,8 @@ def replay_bytes(config: LearnerConfig) -> int:
 class ReplayBuffer(abc.ABC):
     """A replay buffer beside a learner's backend: inserts, trains from itself, reports.
 
-    Not thread-safe: the learner calls it under its lock."""
+    Not thread-safe but for :meth:`upload` and :meth:`checked`: the learner calls the rest
+    under its lock (and, while a run it started is unfinished, only :meth:`insert`)."""
 
     checks_values = False
     """True: :meth:`upload` also checks the rows' values on the device (:meth:`checked`), so
