@@ -254,8 +254,8 @@ call = native.ReplayRunCall(
     step_epoch=f(step, "epoch"), step_update_target=f(step, "update_target"),
     commit_mark=f(commit, "mark"), commit_barrier=f(commit, "barrier"),
     commit_stats_row=f(commit, "stats_row"), steps=ctypes.addressof(steps), count=3,
-    control=ctypes.addressof(report), report=ctypes.addressof(report_host),
-    report_device=ctypes.addressof(report), report_bytes=ctypes.sizeof(report), done=9)
+    report=ctypes.addressof(report_host), report_device=ctypes.addressof(report),
+    report_bytes=ctypes.sizeof(report), done=9)
 assert lib.replay_run(ctypes.addressof(call)) == 0
 assert ctypes.c_int.in_dll(fake, "records").value == 1   # the run's done event
 assert lib.replay_wait(ctypes.addressof(call)) == 0     # waits for event 9

@@ -172,9 +172,9 @@ class CudaReplay(ReplayBuffer):
             sample_beta=field_address(sample, "beta"), commit_mark=field_address(commit, "mark"),
             commit_barrier=field_address(commit, "barrier"),
             commit_stats_row=field_address(commit, "stats_row"),
-            steps=ctypes.addressof(self._steps), control=self._report.data.ptr,
-            report=self._report_host.ctypes.data, report_device=self._report.data.ptr,
-            report_bytes=self._report.nbytes, done=self._done.ptr)
+            steps=ctypes.addressof(self._steps), report=self._report_host.ctypes.data,
+            report_device=self._report.data.ptr, report_bytes=self._report.nbytes,
+            done=self._done.ptr)
         self._checks: dict[int, _Check] = {}   # by upload buffer (one upload uses it at a time)
         self._counters = dict(cursor=0, size=0, inserted=0, sampled=0, draws=0)
 

@@ -11,13 +11,12 @@ the device.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
@@ -181,6 +180,30 @@ def make_replay(config: LearnerConfig, backend: Backend) -> ReplayBuffer:
     return ReferenceReplay(config, backend)
 
 
+class _Settled:
+    """The learner's lock, with any replay run left running (:meth:`Learner.start_replay`)
+    finished first.  A class rather than a generator: it is on every step's path."""
+
+    __slots__ = ("_learner",)
+
+    def __init__(self, learner: "Learner"):
+        self._learner = learner
+
+    def __enter__(self) -> None:
+        learner = self._learner
+        learner.lock.acquire()
+        if learner._running is not None:
+            running, learner._running = learner._running, None
+            try:
+                running.finish()
+            except BaseException:
+                learner.lock.release()
+                raise
+
+    def __exit__(self, *exc) -> None:
+        self._learner.lock.release()
+
+
 class Learner:
     """One Dueling-DQN learner: state on a backend, steps applied one at a time."""
 
@@ -196,18 +219,11 @@ class Learner:
         self.lock = threading.Lock()
         """Serialises the backend's use: steps, inserts, reads, snapshots."""
         self._running: RunningReplay | None = None   # a replay run left running
+        self._settled = _Settled(self)
+        """``with self._settled:`` the lock, with a run left running finished first."""
         self.replay: ReplayBuffer | None = (make_replay(config, self.backend)
                                             if config.replay_capacity else None)
         """The server-side replay buffer (replay_capacity > 0), else None."""
-
-    @contextlib.contextmanager
-    def _settled(self) -> Iterator[None]:
-        """The lock, with any replay run left running (:meth:`start_replay`) finished."""
-        with self.lock:
-            if self._running is not None:
-                running, self._running = self._running, None
-                running.finish()
-            yield
 
     @property
     def step_count(self) -> int:
@@ -237,7 +253,7 @@ class Learner:
         """Validate ``batch`` (unless prepared), run one step, commit it unless it is
         non-finite."""
         prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
-        with prepared, self._settled():
+        with prepared, self._settled:
             out = self.backend.propose(prepared.batch, prepared.upload)
             if not out.inputs_valid:  # the backend's check; the host names the culprit
                 self.backend.discard()
@@ -262,7 +278,7 @@ class Learner:
         if h.shape[0] > self.max_batch_size:
             raise ResourceExhausted(f"h: {h.shape[0]} rows exceed the limit "
                                     f"{self.max_batch_size}")
-        with self._settled():
+        with self._settled:
             return self.backend.q_values(h, target)
 
     def compute_entropy(self, actions: np.ndarray, slot: str | int,
@@ -274,13 +290,13 @@ class Learner:
             raise InvalidArgument("alpha", f"must be in (0, 1], got {alpha!r}")
         actions = validate_actions(actions, self.config.n_actions,
                                    max_len=self.max_batch_size)
-        with self._settled():
+        with self._settled:
             entropy, ema = self.backend.entropy(actions, index, float(alpha))
         return EntropyResult(entropy=entropy, ema=ema, slot=index)
 
     def weights(self, target: bool = False) -> tuple[Params, int]:
         """Host copy of θ (or θ⁻) and its version."""
-        with self._settled():
+        with self._settled:
             return self.backend.weights(target), self.backend.step
 
     def read_isv(self, slots: Iterable[str | int]) -> list[ISVValue]:
@@ -290,19 +306,19 @@ class Learner:
         indices = np.array([self.config.slot_index(s, f"slots[{i}]") for i, s in enumerate(slots)],
                            dtype=np.int64)
         names = {i: n for n, i in self.config.isv_slots.items()}
-        with self._settled():
+        with self._settled:
             values, observed = self.backend.read_isv(indices)
         return [ISVValue(int(i), names.get(int(i), ""), float(v), bool(o))
                 for i, v, o in zip(indices, values, observed)]
 
     def snapshot(self) -> LearnerState:
         """Host copy of the whole state (for checkpoints and tests)."""
-        with self._settled():
+        with self._settled:
             return self.backend.snapshot()
 
     def load(self, state: LearnerState) -> None:
         """Replace the whole state, e.g. from a checkpoint."""
-        with self._settled():
+        with self._settled:
             self.backend.load(state)
 
     # ---- the server-side replay buffer ----------------------------------------------
@@ -365,7 +381,7 @@ class Learner:
         replay = self._replay()
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidArgument("steps", f"must be an integer ≥ 1, got {steps!r}")
-        with self._settled():
+        with self._settled:
             replay.ready()
             self._running = replay.start(steps)
             return self._running
@@ -374,26 +390,26 @@ class Learner:
         """Wait for a run that :meth:`start_replay` began, without the lock, then finish it
         (unless a call that needed the learner did already)."""
         running.wait()
-        with self._settled():
+        with self._settled:
             return running.finish()
 
     def replay_due(self) -> int:
         """Learner steps that replay_ratio asks for now (0 with the buffer off)."""
         if self.replay is None:
             return 0
-        with self._settled():
+        with self._settled:
             return self.replay.due_steps()
 
     def replay_info(self) -> ReplayInfo:
         """The replay buffer's figures."""
         replay = self._replay()
-        with self._settled():
+        with self._settled:
             return replay.info()
 
     def replay_snapshot(self) -> ReplayState:
         """Host copy of the whole replay buffer (for checkpoints and tests)."""
         replay = self._replay()
-        with self._settled():
+        with self._settled:
             return replay.snapshot()
 
     def load_replay(self, state: ReplayState) -> None:
@@ -403,5 +419,5 @@ class Learner:
         problem = state.problem(self.config)
         if problem:
             raise InvalidArgument("replay", problem)
-        with self._settled():
+        with self._settled:
             replay.load(state)

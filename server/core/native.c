@@ -137,16 +137,16 @@ struct duelq_replay_run {
     int *step_update_target, *commit_stats_row;
     const struct duelq_replay_step *steps;
     int count;
-    CUdeviceptr control;   /* replay_commit's [2] control words, zeroed first */
-    void *report;          /* pinned host copy of the report (control, then stats) */
-    CUdeviceptr report_device;
+    void *report;          /* pinned host copy of the report */
+    CUdeviceptr report_device;   /* replay_commit's [2] control words (zeroed first), then
+                                    each step's figures */
     size_t report_bytes;
     CUevent done;          /* recorded once the report is back */
 };
 
 /* Enqueue the run's steps after zeroing its control words. */
 static int replay_enqueue(struct duelq_replay_run *r) {
-    CUresult e = memset_d32(r->control, 0u, 2, r->stream);
+    CUresult e = memset_d32(r->report_device, 0u, 2, r->stream);
     for (int j = 0; j < r->count && e == 0; ++j) {
         const struct duelq_replay_step *s = &r->steps[j];
         *r->sample_draw = s->draw, *r->sample_mark = s->mark, *r->sample_beta = s->beta;
