@@ -23,14 +23,11 @@ Not thread-safe: the service calls it under the lock that applies steps.
 into a checkpoint and back, so a key applied before a checkpoint stays applied
 after a restart from it.  Format 2: ``DQR2``, the length of a JSON index (8 bytes,
 little-endian), the index (actors, keys, and each response's message type and
-length), then the responses' protobuf bytes back to back; no base64, so at B = 1024
-the 1024 cached TrainResponses take 8 MiB instead of 11.  Format 1 (all JSON,
-base64 responses; written before) is still read.
+length), then the responses' protobuf bytes back to back.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import struct
 import time
@@ -201,8 +198,7 @@ class KeyGuard:
     def from_bytes(cls, data: bytes, kinds: Mapping[str, type], *, capacity: int = 1024,
                    max_actors: int = 4096, idle_s: float = 3600.0,
                    clock: Callable[[], float] = time.time) -> "KeyGuard":
-        """Records written by :meth:`to_bytes` (format 2, or format 1 from earlier
-        versions); ``kinds`` maps message names to classes.
+        """Records written by :meth:`to_bytes`; ``kinds`` maps message names to classes.
 
         The stored window is kept (a wider one would forget applied keys); the
         response cache is trimmed to ``capacity``; every actor is kept, even past
@@ -229,17 +225,8 @@ class KeyGuard:
     @staticmethod
     def _parse(data: bytes, kinds: Mapping[str, type]) -> tuple[dict, Callable[[Any], Any]]:
         """(the record index, a function from a response reference to the message)."""
-        if not data.startswith(_MAGIC):  # format 1: one JSON document, base64 responses
-            doc = json.loads(data)
-            if doc["format"] != 1:
-                raise ValueError(f"format {doc['format']!r}, expected 1 or 2")
-
-            def inline(item: Any) -> Any:
-                if item is None:
-                    return None
-                name, text = item
-                return kinds[name].FromString(base64.b64decode(text, validate=True))
-            return doc, inline
+        if not data.startswith(_MAGIC):
+            raise ValueError(f"no {_MAGIC!r} magic: not idempotency records")
         start = len(_MAGIC) + _LENGTH.size
         (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
         doc = json.loads(data[start:start + length])

@@ -199,19 +199,12 @@ def test_idempotency_records_round_trip_in_format_2():
     _same_records(guard, KeyGuard.from_bytes(data, RECORDED_KINDS, capacity=3))
 
 
-def test_idempotency_records_of_format_1_are_still_read():
-    import base64
-    import json
+def test_idempotency_records_without_last_seen_times_count_as_seen_now():
     guard = _guard_with_records()
-
-    def blob(r):
-        return None if r is None else [type(r).__name__, base64.b64encode(
-            r.SerializeToString()).decode()]
-    data = json.dumps({"format": 1, "window": guard.window,
-                       "actors": [[a, rec.high, format(rec.seen, "x"), blob(rec.latest)]
-                                  for a, rec in guard._actors.items()],
-                       "responses": [[a, q, blob(r)] for (a, q), r in guard._responses.items()]})
-    _same_records(guard, KeyGuard.from_bytes(data.encode(), RECORDED_KINDS, capacity=3))
+    data = _edit_index(guard.to_bytes(), lambda i: [actor.pop() for actor in i["actors"]])
+    restored = KeyGuard.from_bytes(data, RECORDED_KINDS, capacity=3, clock=lambda: 1234.5)
+    _same_records(guard, restored)
+    assert [actor.last for actor in restored._actors.values()] == [1234.5] * 3
 
 
 def _edit_index(data: bytes, edit) -> bytes:
@@ -224,7 +217,8 @@ def _edit_index(data: bytes, edit) -> bytes:
     return data[:4] + len(text).to_bytes(8, "little") + text + data[12 + length:]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "trailing", "kind", "reference", "format"])
+@pytest.mark.parametrize("damage", ["truncated", "trailing", "kind", "reference", "format",
+                                    "magic"])
 def test_malformed_idempotency_records_are_refused(damage):
     data = _guard_with_records().to_bytes()
     if damage == "truncated":
@@ -235,8 +229,10 @@ def test_malformed_idempotency_records_are_refused(damage):
         data = _edit_index(data, lambda i: i["blobs"][0].__setitem__(0, "NoSuchResponse"))
     elif damage == "reference":
         data = _edit_index(data, lambda i: i["responses"][0].__setitem__(2, 9999))
-    else:
+    elif damage == "format":
         data = _edit_index(data, lambda i: i.__setitem__("format", 3))
+    else:
+        data = b"DQR1" + data[4:]
     with pytest.raises(ValueError, match="malformed idempotency records"):
         KeyGuard.from_bytes(data, RECORDED_KINDS)
 
