@@ -55,7 +55,8 @@ class ResourceExhausted(DuelqError):
 
 
 class FailedPrecondition(DuelqError):
-    """The step would have made the weights non-finite (refused), or checkpoints are off."""
+    """The step would have made the weights non-finite (refused), checkpoints are off, or
+    the server-side replay is off or not yet ready to train."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

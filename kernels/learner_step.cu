@@ -163,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) learner_step(const Step
     const float* rewards = tail + B;  // [4][B] rewards, dones, discounts, weights
     float* td = a.out;                         // [B]
     float* prio = a.out + B;                   // [B]
-    float* head = a.out + 2 * B;               // [1 + 4G]
+    float* head = a.out + 2 * B;               // [1 + 5G]
     const float* theta = a.state;
     const float* target = a.state + PARAM_STRIDE;
     const bool entropy_on = a.entropy_slot >= 0;

@@ -7,9 +7,9 @@ copies every tensor's data into its arena and again on each read of
 ``Tensor.data``: two fresh megabyte copies per step at B = 1024, each
 page-faulting.  :func:`parse_train_request` instead reads the framing itself
 and views each tensor's data as a ``memoryview`` slice of gRPC's bytes, so
-``numpy.frombuffer`` in :func:`duelq.client.tensors.decode` copies nothing.
+``numpy.frombuffer`` in :func:`duelq.wire.tensors.decode` copies nothing.
 
-It accepts only the canonical form that :func:`duelq.client.tensors.tensor_wire`
+It accepts only the canonical form that :func:`duelq.wire.tensors.tensor_wire`
 (and protobuf itself) writes: top-level fields 1–8 as length-delimited fields,
 each at most once, in increasing order; inside a Tensor ``dtype`` (one-byte
 varint), packed ``shape`` (each dimension < 2**63) and ``data``, each at most

@@ -1,9 +1,11 @@
 """Prometheus metrics of a duelq server (prometheus-client, the reference exporter).
 
-Counting happens in one gRPC interceptor, so the servicer stays free of metrics
-code: it times every train request from arrival to answer, counts applied steps
-and transitions (a replayed idempotent answer is not a step), records the loss,
-and counts refused rpcs by method and status code.  Values that live elsewhere
+Counting happens outside the servicer, which stays free of metrics code: in one process,
+in a gRPC interceptor; with front processes, in the learner process's relay
+(server/fronts/front.py's RelayedService), which sees the same requests.  Either times
+every train request from arrival to answer, counts applied steps and transitions (a
+replayed idempotent answer is not a step), records the loss, and counts refused rpcs by
+method and status code.  Values that live elsewhere
 (ISV entropy EMAs, checkpoint age, device memory, the replay buffer) are read when Prometheus
 scrapes, by a custom collector.  Each server has its own registry, so several
 servers in one process (tests) do not collide.

@@ -5,7 +5,7 @@ running rpc (a TrainStream holds its thread while open).  The :class:`Gate`
 (server/gate.py) admits at most ``max_rpcs`` calls at once, refuses calls
 without the token before they hold anything, and bounds how long a call may
 wait for its requests; grpc answers RESOURCE_EXHAUSTED for messages over
-``max_message_bytes``; the service refuses TrainStreams past ``max_streams``
+``max_message_bytes``; the service refuses streams (TrainStream, InsertStream) past ``max_streams``
 and requests past ``max_queue``.  Steps from all threads serialise on the
 service's apply lock.
 
@@ -237,8 +237,7 @@ class _Recorder:
 #: glibc malloc's settings for a server's processes, which allocate and free request-sized
 #: buffers (about 1 MB at B = 1024) at a high rate: glibc serves those above a dynamic
 #: threshold with mmap and trims freed heap tops, so each buffer is page-faulted back in;
-#: with both thresholds fixed the memory is reused (float32 TrainStream through 8 fronts:
-#: +18 to 27 % steps/s on an H200 host, docs/benchmarks.md).
+#: with both thresholds fixed the memory is reused (docs/benchmarks.md measures the gain).
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": 256 << 20}
 
 

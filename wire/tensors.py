@@ -86,7 +86,7 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 
 def float16_to_float32(a: np.ndarray) -> np.ndarray:
-    """float16 → float32, exact; about 3× faster than ``astype`` (a scalar loop in NumPy).
+    """float16 → float32, exact; faster than ``astype``, a scalar loop in NumPy.
 
     The magnitude bits shifted into float32's place and scaled by 2^112 give the
     value (normal and subnormal alike); the sign is put back after.  Arrays holding
@@ -181,7 +181,7 @@ def tensor_wire(number: int, array: np.ndarray, field: str, *,
 @functools.lru_cache(maxsize=256)
 def tensor_head(number: int, enum: int, shape: tuple[int, ...], nbytes: int) -> bytes:
     """Field ``number``'s tag and length, then the Tensor's dtype, shape and data's length:
-    the same for every batch of one shape, so built once (a step's 7 cost ≈ 50 µs)."""
+    the same for every batch of one shape, so built once."""
     dims = b"".join(varint(d) for d in shape)
     head = b"\x08" + varint(enum) + (b"\x12" + varint(len(dims)) + dims if dims else b"")
     if not nbytes:

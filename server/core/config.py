@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from duelq.server.core.errors import InvalidArgument
 
-#: ISV slots the seeds use; names and indices are configuration.
+#: The default named ISV slots; names and indices are configuration.
 DEFAULT_ISV_SLOTS: dict[str, int] = {
     "policy_entropy_ema": 420,
     "action_entropy_ema": 583,

@@ -14,8 +14,8 @@ whether every input value was valid (docs/design.md §7), so the host checks onl
 :meth:`CudaBackend.upload` packs a batch into one of a few pinned upload buffers and starts its
 copy on a second stream before the step's turn; the step then waits for that copy on the
 device instead of making it.  An upload's driver calls and a step's (wait, launch, copy
-back, sync, the block totals) are one C call each (server/core/native.c): a step from
-Python crossed CuPy's wrappers eight times.
+back, sync, the block totals) are one C call each (server/core/native.c), not eight
+crossings of CuPy's wrappers.
 ``learner_step`` is compiled per feature dtype and at two row tiles: the smaller serves
 batches that need at most one block per SM, the larger the rest.
 """

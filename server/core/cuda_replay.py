@@ -89,8 +89,7 @@ def tree_blocks(rows: int, max_blocks: int) -> int:
     """Blocks of a replay_commit or replay_insert that touches ``rows`` leaves: one per 16
     rows, at least 32, at most one per SM.  Every loop in them is grid-strided, so any count
     gives the same bits; more blocks share the rows, but a grid barrier's wait grows with the
-    blocks it polls (benchmarks/replay_step.py's sweep: the best count at B = 256, 1024 and
-    4096 was 32, 64 and 132 on an H200's 132 SMs)."""
+    blocks it polls (benchmarks/replay_step.py sweeps the count)."""
     return min(max_blocks, max(32, rows // 16))
 
 

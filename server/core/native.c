@@ -1,9 +1,8 @@
 /* native.c: the CUDA backend's per-step host calls in C (server/core/native.py builds and
  * loads it; the structs below are read by native.py to make their ctypes twins).
  *
- * From Python, a step crossed CuPy's wrappers eight times and released the GIL at each; here
- * an upload (copy, event) and a step (wait, launch, copy back, sync, block totals) are one
- * ctypes call each.  The driver's entry points come from the libcuda that CuPy has loaded;
+ * An upload (copy, event) and a step (wait, launch, copy back, sync, block totals) are one
+ * ctypes call each, where CuPy's wrappers would take eight, each releasing the GIL.  The driver's entry points come from the libcuda that CuPy has loaded;
  * no CUDA header is needed to build this file, only a C compiler.
  */
 #include <dlfcn.h>

@@ -1,8 +1,8 @@
 """``--front-processes``: gRPC in front processes, the learner in one more.
 
-One Python process tops out near 1300 train steps/s whatever the GPU does: gRPC's
-own per-message work and the learner's (parse, checks, copy, launch, encode) take
-turns on one GIL (docs/benchmarks.md).  :class:`FrontServer` splits them:
+In one Python process gRPC's own per-message work and the learner's (parse, checks,
+copy, launch, encode) take turns on one GIL, which bounds the steps/s whatever the GPU
+does (docs/benchmarks.md).  :class:`FrontServer` splits them:
 
 * a front process binds the public port and serves health, reflection and the
   :class:`~duelq.server.gate.Gate` (token, rpc places, receive deadlines).  TrainStep,
@@ -30,7 +30,7 @@ front on its one relay thread (which reads every front's frames), in arrival ord
 first front starts and stops the others.
 
 Every limit is server-wide, as with one process: the fronts count admitted rpcs, open
-TrainStreams and calls waiting for the learner together (server/fronts/shared.py) and
+streams and calls waiting for the learner together (server/fronts/shared.py) and
 refuse at the same point, with the same code and words.
 
 Shutdown: :meth:`FrontServer.stop` turns health NOT_SERVING (the other fronts too), asks
@@ -236,8 +236,7 @@ class FrontServer:
             cpus = usable_cpus()
             if self.options.front_processes >= cpus:
                 log.warning("%d front processes and the learner process on %d CPUs share "
-                            "cores (the Docker image's 8 were measured on 16): consider "
-                            "--front-processes %d (DUELQ_FRONT_PROCESSES)",
+                            "cores: consider --front-processes %d (DUELQ_FRONT_PROCESSES)",
                             self.options.front_processes, cpus, max(1, cpus // 2))
         self.port = bind(self._server, self.options)
         self._server.start()

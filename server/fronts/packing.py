@@ -40,7 +40,7 @@ from duelq.server.core.batch import PackedBatch, packed_layout
 from duelq.server.framing import TENSOR_FIELDS, known_layout, parse_train_request
 
 DESCRIPTOR = struct.Struct("<IIBB")   # B, H, features' dtype (FEATURE_DTYPES index), weights
-MAX_LAYOUTS = 64                      # as many as wire.py remembers
+MAX_LAYOUTS = 64                      # as many as framing.py remembers
 STREAM_MIN_BYTES = 1 << 16            # arrays the Packer's stream copy writes (B·H features)
 _VECTOR = np.dtype(np.float32)
 _ACTIONS = np.dtype(np.int32)
@@ -87,7 +87,7 @@ class _Plan:
 
 def _plan(data: bytes) -> tuple[object, _Plan | None]:
     """(the layout of request ``data``, how its requests pack or None when they do not);
-    the layout is None when wire.py keeps none for it."""
+    the layout is None when framing.py keeps none for it."""
     request = parse_train_request(data)
     if request is None or request.layout is None:
         return None, None

@@ -579,7 +579,7 @@ class RelayLearner:
         self._wake_out, self._wake_in = socket.socketpair()
         self._wake_out.setblocking(False)
         # Every front's socket and the wake's, by descriptor (the wake's: None).  epoll itself,
-        # not selectors' wrapper of it: ≈ 0.5 µs less a look, one look a request.
+        # not selectors' wrapper of it, which adds work to every look (one a request).
         self._poll = select.epoll()
         self._polled: dict[int, _Front | None] = {}
         self._watch(self._wake_in, None)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-#: The counts, one column each: calls admitted (max_rpcs), TrainStreams open
+#: The counts, one column each: calls admitted (max_rpcs), streams open
 #: (max_streams), and calls with a request at the learner process (max_queue).
 COLUMNS = ("rpcs", "streams", "queue")
 _CELL = 8   # bytes: a signed 64-bit count
