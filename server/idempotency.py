@@ -90,11 +90,6 @@ class KeyGuard:
         if actor_id and seq < 1:
             raise InvalidArgument("key.seq", "must be ≥ 1 when key.actor_id is set")
 
-    def high(self, actor_id: str) -> int:
-        """The highest seq applied for ``actor_id`` (0: none known): a higher one is new."""
-        actor = self._actors.get(actor_id)
-        return 0 if actor is None else actor.high
-
     def lookup(self, actor_id: str, seq: int, kind: type) -> Any | None:
         """The recorded response of an applied key, or None when the key is new.
 

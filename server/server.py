@@ -269,8 +269,7 @@ def add_learner_servicer(servicer, server: grpc.Server) -> None:
         handlers[name] = same_shape(handlers[name], handlers[name].stream_stream
                                      or handlers[name].unary_unary, deserializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    if hasattr(server, "add_registered_method_handlers"):
-        server.add_registered_method_handlers(service, handlers)
+    server.add_registered_method_handlers(service, handlers)
 
 
 def _read(path: str) -> bytes:

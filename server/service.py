@@ -23,7 +23,6 @@ new state changes (UNAVAILABLE) and waits for those admitted to finish.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -382,7 +381,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         """A consistent (state, {"replay": idempotency records}) pair for a checkpoint; with
         ``checkpoint_replay``, the replay buffer too (:data:`REPLAY_BUFFER_EXTRA`)."""
         learner = self.learner
-        with self._holding_apply_lock():
+        with self._apply_lock:
             state, replay = learner.snapshot(), self._replay.copy()
             buffer = (learner.replay_snapshot()
                       if self.checkpoint_replay and learner.replay is not None else None)
@@ -396,16 +395,10 @@ class LearnerService(pb_grpc.LearnerServicer):
         with self._queue_lock:
             self._draining = True
         while True:
-            with self._holding_apply_lock(), self._queue_lock:
+            with self._apply_lock, self._queue_lock:
                 if self._queued == 0:
                     return
             time.sleep(0.001)
-
-    @contextlib.contextmanager
-    def _holding_apply_lock(self) -> Iterator[None]:
-        """The apply lock for a ``with`` block."""
-        with self._apply_lock:
-            yield
 
     def _admit(self, context: grpc.ServicerContext | None, *,
                change: pb.RequestKey | None = None) -> "_Release":

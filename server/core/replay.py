@@ -421,7 +421,6 @@ class Draw:
 
     rows: np.ndarray      # [B] int64, row indices into the buffer
     weights: np.ndarray   # [B] float32, (min leaf / leaf)^β
-    beta: float
 
 
 @dataclass
@@ -589,7 +588,7 @@ class ReferenceReplay(ReplayBuffer):
         mass = uniforms(self.config.replay_seed, d, B) * self.tree.total   # [B]
         rows = self.tree.descend(mass)                                     # [B]
         beta = beta_at(self.config, d)
-        return Draw(rows, importance_weights(self.tree.leaves[rows], self.tree.min, beta), beta)
+        return Draw(rows, importance_weights(self.tree.leaves[rows], self.tree.min, beta))
 
     def write_back(self, rows: np.ndarray, priorities: np.ndarray) -> None:
         """Priorities [B] of drawn ``rows`` [B]; a row drawn twice takes its last one."""

@@ -38,10 +38,6 @@ class LearnerState:
     isv: np.ndarray         # [S] float32 slot values
     isv_observed: np.ndarray  # [S] bool, whether a slot's EMA has been bootstrapped
 
-    @property
-    def version(self) -> int:
-        return self.step
-
     @staticmethod
     def initial(config: LearnerConfig) -> "LearnerState":
         params = initial_params(config)
