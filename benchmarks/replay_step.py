@@ -3,7 +3,7 @@
     python3 benchmarks/replay_step.py [--capacity 1000000] [--sizes 256 1024 4096] [--reps 30]
 
 A replay step is three launches (replay_sample, learner_step, replay_commit: the draw, the
-step, the write-back and the tree update), timed as a run of RUN_STEPS enqueues them (the
+step, the write-back and the tree update), timed as a run of CALL_STEPS enqueues them (the
 C call of server/core/cuda_replay.py, not waited for); the plain step is learner_step
 alone on the same gathered batch; "draw alone" and "commit alone" time replay_sample and
 replay_commit by themselves, the commit also on other block counts than tree_blocks picks.
@@ -30,7 +30,7 @@ from cupy_backends.cuda.api import driver
 from device_step import Timer
 
 from duelq.server.core.cuda import THREADS
-from duelq.server.core.cuda_replay import RUN_STEPS
+from duelq.server.core.cuda_replay import CALL_STEPS
 
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.learner import Learner
@@ -62,8 +62,8 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
     G = backend.grid(B)[0]
     draws = iter(range(10 ** 9))
 
-    def replay_run() -> None:   # RUN_STEPS steps, enqueued as a run is, not waited for
-        backend._native.replay_run(ctypes.addressof(replay._prepare(RUN_STEPS, G)))
+    def replay_run() -> None:   # CALL_STEPS steps, enqueued as a run is, not waited for
+        backend._native.replay_run(ctypes.addressof(replay._prepare(CALL_STEPS, G)))
 
     def plain_step() -> None:
         backend.launch(B, True, replay._gathered, replay._kind)
@@ -78,7 +78,7 @@ def measure(capacity: int, B: int, timer: Timer, rng: np.random.Generator) -> di
             ctypes.addressof(replay._commit_params))
 
     with backend.stream:
-        replay_us = Timer(1, timer.reps).device_us(backend.stream, replay_run) / RUN_STEPS
+        replay_us = Timer(1, timer.reps).device_us(backend.stream, replay_run) / CALL_STEPS
         plain_us = timer.device_us(backend.stream, plain_step)
         draw_us = timer.device_us(backend.stream, draw)
         commit_us = timer.device_us(backend.stream, lambda: commit(replay._blocks(B)))

@@ -53,7 +53,8 @@ from duelq.server.idempotency import KeyGuard
 from duelq.server.metrics import Metrics
 from duelq.server.reflection import enable_reflection
 from duelq.server.replay_loop import ReplayLoop
-from duelq.server.service import REPLAY_BUFFER_EXTRA, RECORDED_KINDS, LearnerService, Limits
+from duelq.server.service import (KEY_RECORDS_EXTRA, RECORDED_KINDS, REPLAY_BUFFER_EXTRA,
+                                  LearnerService, Limits)
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ def bind(server: grpc.Server, options: ServerOptions, address: str = "") -> int:
     return port
 
 
-def replay_guard(options: ServerOptions, records: bytes | None = None) -> KeyGuard:
+def key_guard(options: ServerOptions, records: bytes | None = None) -> KeyGuard:
     """The idempotency records of ``options``' bounds: empty, or read from ``records`` (a
     checkpoint's; ValueError when malformed)."""
     bounds = dict(capacity=options.recorded_responses, max_actors=options.max_actors,
@@ -376,7 +377,7 @@ class LearnerServer:
         self.service = LearnerService(
             Limits(options.max_message_bytes, options.max_batch_size, options.max_streams,
                    options.max_queue, options.receive_timeout_s),
-            replay=replay_guard(options))
+            keys=key_guard(options))
         self.metrics = Metrics(lambda: self.service._learner) if options.metrics_port else None
         inner: tuple[grpc.ServerInterceptor, ...] = (DecodeGuard(),) + tuple(interceptors)
         on_refuse = None
@@ -424,7 +425,7 @@ class LearnerServer:
         them is logged), or the directory is unusable: never starts fresh over a checkpoint
         it cannot read.
         """
-        directory, state, replay, found = self.options.checkpoint_dir, None, None, None
+        directory, state, keys, found = self.options.checkpoint_dir, None, None, None
         if directory:
             try:
                 Path(directory).mkdir(parents=True, exist_ok=True)
@@ -436,9 +437,9 @@ class LearnerServer:
                 log.info("no checkpoint in %s: starting fresh at step 0", directory)
             else:
                 state = found.state
-                if "replay" in found.extras:
+                if KEY_RECORDS_EXTRA in found.extras:
                     try:
-                        replay = replay_guard(self.options, found.extras["replay"])
+                        keys = key_guard(self.options, found.extras[KEY_RECORDS_EXTRA])
                     except ValueError as exc:
                         raise CheckpointError(found.path, str(exc)) from exc
                 else:
@@ -455,12 +456,12 @@ class LearnerServer:
                           max_batch_size=self.options.max_batch_size)
         if found is not None and REPLAY_BUFFER_EXTRA in found.extras:
             _resume_buffer(learner, found.extras[REPLAY_BUFFER_EXTRA], found.path)
-        self.attach(learner, replay=replay)
+        self.attach(learner, keys=keys)
         return learner
 
-    def attach(self, learner: Learner, *, replay: KeyGuard | None = None) -> None:
-        """Serve ``learner`` (with ``replay``'s idempotency records) and report SERVING."""
-        self.service.attach(learner, replay=replay)
+    def attach(self, learner: Learner, *, keys: KeyGuard | None = None) -> None:
+        """Serve ``learner`` (with ``keys``' idempotency records) and report SERVING."""
+        self.service.attach(learner, keys=keys)
         o = self.options
         self.service.checkpoint_replay = o.checkpoint_replay
         if learner.replay is not None and learner.config.replay_ratio > 0:

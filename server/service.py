@@ -76,6 +76,9 @@ RECORDED_KINDS = {"TrainResponse": pb.TrainResponse,
 MAX_REPLAY_STEPS = 4096
 #: The checkpoint extra that holds the replay buffer (``--checkpoint-replay``).
 REPLAY_BUFFER_EXTRA = "replay_buffer"
+#: The checkpoint extra that holds the idempotency records (a name kept from before the
+#: replay buffer existed: checkpoints written so are read as they are).
+KEY_RECORDS_EXTRA = "replay"
 
 
 class NotServing(LearnerError):
@@ -354,9 +357,9 @@ class Limits:
 class LearnerService(pb_grpc.LearnerServicer):
     """``duelq.v1.Learner`` over a :class:`Learner` that is attached once it is ready."""
 
-    def __init__(self, limits: Limits, *, replay: KeyGuard | None = None):
+    def __init__(self, limits: Limits, *, keys: KeyGuard | None = None):
         self.limits = limits
-        self._replay = replay if replay is not None else KeyGuard()
+        self._keys = keys if keys is not None else KeyGuard()
         self.checkpoints: CheckpointWriter | None = None
         """Saves checkpoints (SaveCheckpoint, periodic); None: checkpoints are off."""
         self._learner: Learner | None = None
@@ -371,21 +374,22 @@ class LearnerService(pb_grpc.LearnerServicer):
         self.on_insert: Callable[[], None] | None = None
         """Told after each new insert (the replay loop's wake-up), outside the apply lock."""
 
-    def attach(self, learner: Learner, *, replay: KeyGuard | None = None) -> None:
-        """Start serving ``learner`` (with ``replay``'s records, when resumed)."""
-        if replay is not None:
-            self._replay = replay
+    def attach(self, learner: Learner, *, keys: KeyGuard | None = None) -> None:
+        """Start serving ``learner`` (with ``keys``' records, when resumed)."""
+        if keys is not None:
+            self._keys = keys
         self._learner = learner
 
     def snapshot(self) -> tuple[LearnerState, dict[str, bytes]]:
-        """A consistent (state, {"replay": idempotency records}) pair for a checkpoint; with
-        ``checkpoint_replay``, the replay buffer too (:data:`REPLAY_BUFFER_EXTRA`)."""
+        """A consistent (state, extras) pair for a checkpoint: the idempotency records
+        (:data:`KEY_RECORDS_EXTRA`) and, with ``checkpoint_replay``, the replay buffer
+        (:data:`REPLAY_BUFFER_EXTRA`)."""
         learner = self.learner
         with self._apply_lock:
-            state, replay = learner.snapshot(), self._replay.copy()
+            state, keys = learner.snapshot(), self._keys.copy()
             buffer = (learner.replay_snapshot()
                       if self.checkpoint_replay and learner.replay is not None else None)
-        extras = {"replay": replay.to_bytes()}
+        extras = {KEY_RECORDS_EXTRA: keys.to_bytes()}
         if buffer is not None:
             extras[REPLAY_BUFFER_EXTRA] = buffer.to_bytes()
         return state, extras
@@ -438,9 +442,9 @@ class LearnerService(pb_grpc.LearnerServicer):
             raise NotServing("the server is shutting down; the request was not applied: "
                              + ("retry it with the same key" if key.actor_id else "retry it"))
 
-    def _check_train_key(self, key: pb.RequestKey) -> None:
-        """Refuse a train request's malformed key, or any while draining: early, before the
-        request's own work (_admit decides again)."""
+    def _check_key(self, key: pb.RequestKey) -> None:
+        """Refuse a state change's malformed key (a train, insert or TrainReplay request's),
+        or any while draining: early, before the request's own work (_admit decides again)."""
         KeyGuard.check_key(key.actor_id, key.seq)
         self._refuse_if_draining(key)
 
@@ -457,14 +461,14 @@ class LearnerService(pb_grpc.LearnerServicer):
         actor_id = key.actor_id
         with self._admit(context, change=key):
             if actor_id:
-                recorded = self._replay.lookup(actor_id, key.seq, kind)
+                recorded = self._keys.lookup(actor_id, key.seq, kind)
                 if recorded is not None:   # a message, or an EncodedTrainResponse
                     replay = kind.FromString(recorded.SerializeToString())
                     replay.replayed = True
                     return replay
             response = apply()
             if actor_id:
-                self._replay.record(actor_id, key.seq, response)
+                self._keys.record(actor_id, key.seq, response)
             return response
 
     def _train(self, request: pb.TrainRequest,
@@ -476,7 +480,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         """A train request's checks and its copy towards the device, which run before the
         apply lock, beside the step that holds it."""
         learner = self.learner   # NotServing before attach
-        self._check_train_key(request.key)
+        self._check_key(request.key)
         batch = decode_batch(request, keep_16bit=bool(learner.backend.feature_dtypes))
         return TrainJob(request.key, learner.prepare(batch))
 
@@ -519,7 +523,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         insert's priorities in the weights' place), and its key's wire bytes."""
         learner = self.learner   # NotServing before attach
         key = pb.RequestKey.FromString(key_bytes)   # the front parsed it
-        self._check_train_key(key)
+        self._check_key(key)
         if method == "InsertStream":
             return InsertJob(key, learner.prepare_insert(packed))
         return TrainJob(key, learner.prepare_packed(packed), key_bytes)
@@ -560,7 +564,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         """An insert's checks and its copy towards the device, which run before the apply
         lock, beside the steps that hold it."""
         learner = self.learner   # NotServing before attach
-        self._check_train_key(request.key)
+        self._check_key(request.key)
         return InsertJob(request.key, learner.prepare_insert(decode_transitions(request)))
 
     def apply_insert(self, job: InsertJob, context: grpc.ServicerContext | None
@@ -586,7 +590,7 @@ class LearnerService(pb_grpc.LearnerServicer):
     @_rpc
     def TrainReplay(self, request, context):
         learner = self.learner
-        self._check_train_key(request.key)
+        self._check_key(request.key)
         if not 1 <= request.steps <= MAX_REPLAY_STEPS:
             raise InvalidArgument("steps", f"must be in [1, {MAX_REPLAY_STEPS}], "
                                            f"got {request.steps}")

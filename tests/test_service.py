@@ -147,7 +147,7 @@ def test_key_whose_result_was_evicted_is_refused_not_reapplied(make_server, rng)
     assert server.learner.step_count == 2
 
 
-def test_replay_guard_window_and_actor_bound():
+def test_key_guard_window_and_actor_bound():
     now = [0.0]
     guard = KeyGuard(capacity=2, window=4, max_actors=2, idle_s=60, clock=lambda: now[0])
     for seq in (1, 2, 3, 4, 5):

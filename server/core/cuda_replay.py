@@ -11,7 +11,7 @@ and they go through the backend's own step input buffer at the insert
 (:meth:`CudaBackend.stage`; the learner's lock is held).  The insert itself is enqueued
 behind whatever the stream holds, a run left running included, and not waited for.
 
-A run of K ≤ :data:`RUN_STEPS` steps is one C call (server/core/native.c's
+A run of K ≤ :data:`CALL_STEPS` steps is one C call (server/core/native.c's
 ``duelq_replay_run``, without the GIL) that enqueues per step the draw (``replay_sample``:
 rows, weights, the gather into learner_step's packed inputs), the backend's own
 ``learner_step`` on them, and ``replay_commit``, which applies the step on the device (the
@@ -51,7 +51,7 @@ from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, R
                                       tree_layout, tree_levels)
 from duelq.wire.types import Batch, Transitions
 
-RUN_STEPS = 64           # steps between two syncs (rows of the report)
+CALL_STEPS = 64          # steps of one C call, between two syncs (rows of the report)
 HEADROOM = 256 << 20     # device memory left free beside the buffer, bytes
 _WORD = 0xFFFFFFFF
 
@@ -99,7 +99,7 @@ def device_bytes(config: LearnerConfig) -> int:
     B, H = config.replay_batch_size, config.hidden_dim
     itemsize = STORAGE_DTYPES[config.replay_dtype].itemsize
     gathered = 4 * packed_layout(B, H, itemsize, True)[1]
-    return replay_bytes(config) + 8 * config.replay_capacity + gathered + 8 + 24 * RUN_STEPS
+    return replay_bytes(config) + 8 * config.replay_capacity + gathered + 8 + 24 * CALL_STEPS
 
 
 class CudaReplay(ReplayBuffer):
@@ -144,7 +144,7 @@ class CudaReplay(ReplayBuffer):
                                       np.float32)        # learner_step's packed inputs
             self._arrivals = cp.zeros(backend.max_blocks, np.uint32)
             self._ticket = cp.zeros(1, np.uint32)
-            self._report = cp.zeros(8 + 24 * RUN_STEPS, np.uint8)  # control [2] u32, stats
+            self._report = cp.zeros(8 + 24 * CALL_STEPS, np.uint8)  # control [2] u32, stats
         stream.synchronize()
         n = self._report.nbytes
         self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
@@ -161,7 +161,7 @@ class CudaReplay(ReplayBuffer):
         self._commit_args = CommitArgs()     # filled in once a run (_commit_for)
         self._commit_params = _params(self._commit_args)
         sample, commit = self._sample_args, self._commit_args
-        self._steps = (ReplayStepCall * RUN_STEPS)()   # each step's own values
+        self._steps = (ReplayStepCall * CALL_STEPS)()   # each step's own values
         self._call = ReplayRunCall(   # a run sets the step kernel's, the blocks and count
             stream=stream.ptr, sample=self._sample.kernel.ptr, commit=self._commit.kernel.ptr,
             sample_blocks=-(-B // (THREADS // 32)), threads=THREADS,
@@ -343,16 +343,16 @@ class CudaReplay(ReplayBuffer):
         return self.start(steps).finish()
 
     def start(self, steps: int) -> RunningReplay:
-        """Runs of :data:`RUN_STEPS` steps, waited for, until the last, which is enqueued
+        """Runs of :data:`CALL_STEPS` steps, waited for, until the last, which is enqueued
         and left running: finishing it waits for it."""
         b, B = self.backend, self.config.replay_batch_size
         G = b.grid(B)[0]
         b._outputs.reserve(2 * B + 1 + 5 * G)
         done: list[tuple[int, bool, np.ndarray]] = []
-        while steps > RUN_STEPS and not (done and done[-1][1]):
-            self._enqueue(RUN_STEPS, G)
+        while steps > CALL_STEPS and not (done and done[-1][1]):
+            self._enqueue(CALL_STEPS, G)
             done.append(self._finish())
-            steps -= RUN_STEPS
+            steps -= CALL_STEPS
         if done and done[-1][1]:   # halted: the rest is not drawn
             return RunningReplay(lambda: _ran(done))
         self._enqueue(steps, G)
@@ -391,7 +391,7 @@ class CudaReplay(ReplayBuffer):
         b._step += committed
         c["draws"] += committed + halted
         c["sampled"] += committed * B
-        figures = host[8:].view(np.float64).reshape(RUN_STEPS, 3)
+        figures = host[8:].view(np.float64).reshape(CALL_STEPS, 3)
         return committed, halted, figures[:committed].copy()
 
     def _prepare(self, run: int, G: int) -> ReplayRunCall:
