@@ -38,7 +38,8 @@ from duelq.v1 import learner_pb2_grpc as pb_grpc
 
 from duelq.client import errors
 from duelq.wire import tensors
-from duelq.wire.tensors import WIRE_DTYPES, floating, varint
+from duelq.wire.tensors import (INSERT_FIELDS, KEY_FIELD, TRAIN_FIELDS, WIRE_DTYPES, floating,
+                                varint)
 from duelq.wire.types import (FIELD_DTYPES, PARAM_NAMES, Batch, Params, ReplayInfo, Transitions,
                               spell, wrong_dtype)
 
@@ -207,14 +208,6 @@ def _feature_array(name: str, value, wire: str, like: np.ndarray | None = None) 
     return value
 
 
-#: TrainRequest's and InsertStreamRequest's tensor fields and their field numbers (learner.proto).
-TRAIN_FIELDS = {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5, "discounts": 6,
-                "weights": 7}
-INSERT_FIELDS = {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5, "discounts": 6,
-                 "priorities": 7}
-_KEY_FIELD = 8   # both messages'
-
-
 def _row_arrays(rows: Batch | Transitions, optional: str,
                 feature_dtype: str) -> list[tuple[str, np.ndarray, str | None]]:
     """The checked arrays of a batch or of transitions in field order, each with its wire
@@ -270,7 +263,7 @@ def _wire_request(arrays: list[tuple[str, np.ndarray, str | None]], actor_id: st
     key = (b"\x0a" + varint(len(actor)) + actor if actor else b"") + (
         b"\x10" + varint(seq) if seq else b"")
     if key:
-        parts.append(varint(_KEY_FIELD << 3 | 2) + varint(len(key)) + key)
+        parts.append(varint(KEY_FIELD << 3 | 2) + varint(len(key)) + key)
     return b"".join(parts)
 
 

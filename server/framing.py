@@ -25,9 +25,10 @@ from __future__ import annotations
 import threading
 
 from duelq.v1 import learner_pb2 as pb
+from duelq.wire.tensors import INSERT_FIELDS, TRAIN_FIELDS
 
-TENSOR_FIELDS = ("h_t", "h_tp1", "actions", "rewards", "dones", "discounts", "weights")
-INSERT_TENSOR_FIELDS = TENSOR_FIELDS[:6] + ("priorities",)
+TENSOR_FIELDS = tuple(TRAIN_FIELDS)
+INSERT_TENSOR_FIELDS = tuple(INSERT_FIELDS)
 _EMPTY = memoryview(b"")
 
 
@@ -180,7 +181,7 @@ class _Layout:
 
 
 _LAYOUTS: dict[int, _Layout] = {}   # by request length: the last layout seen
-_LAYOUTS_MAX = 64
+MAX_LAYOUTS = 64   # request lengths remembered (the fronts keep as many packing plans)
 _HEADS_MAX = 1024   # framing bytes of a layout worth keeping (a batch's: ≈ 60 + the key's)
 _layouts_lock = threading.Lock()
 
@@ -188,7 +189,7 @@ _layouts_lock = threading.Lock()
 def _remember(n: int, layout: _Layout) -> None:
     with _layouts_lock:
         _LAYOUTS.pop(n, None)
-        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
             del _LAYOUTS[next(iter(_LAYOUTS))]   # the oldest
         _LAYOUTS[n] = layout
 

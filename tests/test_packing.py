@@ -327,7 +327,8 @@ def test_an_insert_streams_requests_pack_as_train_requests_do():
     """An InsertStream's request (TrainRequest's framing, priorities in field 7) packs in the
     front as a train request does and reaches prepare_packed with its method, priorities in
     the weights' place."""
-    from duelq.client.client import INSERT_FIELDS, _transition_arrays, _wire_request
+    from duelq.client.client import _transition_arrays, _wire_request
+    from duelq.wire.tensors import INSERT_FIELDS
     from duelq.wire.types import Transitions
     rng = np.random.default_rng(9)
     batch = random_batch(rng, 4)

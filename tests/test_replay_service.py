@@ -14,13 +14,14 @@ import pytest
 
 from duelq.apps import cli
 from duelq.client import LearnerClient, ReplayInfo, Transitions, errors
-from duelq.client.client import INSERT_FIELDS, _transition_arrays, _wire_request
+from duelq.client.client import _transition_arrays, _wire_request
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.errors import ReplayTooLarge
 from duelq.server.fronts import FrontServer, start_server
 from duelq.server.server import ServerOptions
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
+from duelq.wire.tensors import INSERT_FIELDS
 
 H, N = 8, 3
 CONFIG = LearnerConfig(hidden_dim=H, n_actions=N, lr=1e-2, isv_size=4,

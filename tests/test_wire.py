@@ -9,8 +9,9 @@ import pytest
 
 from duelq.client.client import encode_batch, encode_batch_wire
 from duelq.client.errors import InvalidArgument
-from duelq.wire.tensors import (bfloat16_bits_to_float32, encode, float16_to_float32,
-                                  float32_to_bfloat16_bits, tensor_wire, varint)
+from duelq.wire.tensors import (INSERT_FIELDS, KEY_FIELD, TRAIN_FIELDS, bfloat16_bits_to_float32,
+                                encode, float16_to_float32, float32_to_bfloat16_bits,
+                                tensor_wire, varint)
 from duelq.server.service import decode_batch
 from duelq.v1 import learner_pb2 as pb
 
@@ -108,3 +109,11 @@ def test_bfloat16_encode_rounds_like_the_reference_formula():
     assert np.array_equal(float32_to_bfloat16_bits(a), want)
     assert np.array_equal(bfloat16_bits_to_float32(want[~np.isnan(a)]).view(np.uint32) >> 16,
                           want[~np.isnan(a)])
+
+
+def test_train_and_insert_fields_follow_the_proto():
+    """The tensor fields both ends write by number, in field order, and the key after them."""
+    assert TRAIN_FIELDS == {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5,
+                            "discounts": 6, "weights": 7}
+    assert INSERT_FIELDS == {**dict(list(TRAIN_FIELDS.items())[:6]), "priorities": 7}
+    assert KEY_FIELD == 8 == pb.InsertStreamRequest.DESCRIPTOR.fields_by_name["key"].number

@@ -22,11 +22,11 @@ from typing import Any, Callable, Sequence
 import grpc
 import numpy as np
 
-from duelq.client.client import (INSERT_FIELDS, LearnerClient, _train_result,
-                                 _transition_arrays, _wire_request, encode_batch,
-                                 encode_batch_wire)
+from duelq.client.client import (LearnerClient, _train_result, _transition_arrays,
+                                 _wire_request, encode_batch, encode_batch_wire)
 from duelq.client import errors as client_errors
 from duelq.v1 import learner_pb2 as pb
+from duelq.wire.tensors import INSERT_FIELDS
 
 from duelq.server.core.batch import validate_batch
 from duelq.server.core.config import LearnerConfig

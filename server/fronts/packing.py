@@ -37,10 +37,9 @@ from duelq.wire.types import FEATURE_DTYPES
 from duelq.v1 import learner_pb2 as pb
 
 from duelq.server.core.batch import PackedBatch, packed_layout
-from duelq.server.framing import TENSOR_FIELDS, known_layout, parse_train_request
+from duelq.server.framing import MAX_LAYOUTS, TENSOR_FIELDS, known_layout, parse_train_request
 
 DESCRIPTOR = struct.Struct("<IIBB")   # B, H, features' dtype (FEATURE_DTYPES index), weights
-MAX_LAYOUTS = 64                      # as many as framing.py remembers
 STREAM_MIN_BYTES = 1 << 16            # arrays the Packer's stream copy writes (B·H features)
 _VECTOR = np.dtype(np.float32)
 _ACTIONS = np.dtype(np.int32)
