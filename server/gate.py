@@ -85,9 +85,11 @@ class Count:
 
 
 def same_shape(handler: grpc.RpcMethodHandler, behaviour, request_deserializer, *,
-               request_streaming: bool | None = None) -> grpc.RpcMethodHandler:
+               request_streaming: bool | None = None,
+               response_serializer=None) -> grpc.RpcMethodHandler:
     """A handler with ``handler``'s streaming shape (its requests' streaming replaced by
-    ``request_streaming`` when given) and serializer, running ``behaviour``."""
+    ``request_streaming`` when given) and serializer (or ``response_serializer``), running
+    ``behaviour``."""
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
@@ -95,7 +97,7 @@ def same_shape(handler: grpc.RpcMethodHandler, behaviour, request_deserializer, 
     streaming = handler.request_streaming if request_streaming is None else request_streaming
     return make[streaming, handler.response_streaming](
         behaviour, request_deserializer=request_deserializer,
-        response_serializer=handler.response_serializer)
+        response_serializer=response_serializer or handler.response_serializer)
 
 
 class Watchdog:

@@ -262,15 +262,22 @@ _MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}   # mall
 
 def add_learner_servicer(servicer, server: grpc.Server) -> None:
     """``add_LearnerServicer_to_server``, with the requests of :data:`ZERO_COPY_METHODS`
-    parsed by server/framing.py instead of protobuf's ``FromString``."""
+    parsed by server/framing.py instead of protobuf's ``FromString``, and their answers
+    serialised by :func:`_serialize` (a train answer comes as its bytes)."""
     recorder = _Recorder()
     pb_grpc.add_LearnerServicer_to_server(servicer, recorder)
     (service, handlers), = recorder.handlers.items()
     for name, deserializer in ZERO_COPY_METHODS.items():
         handlers[name] = same_shape(handlers[name], handlers[name].stream_stream
-                                     or handlers[name].unary_unary, deserializer)
+                                     or handlers[name].unary_unary, deserializer,
+                                     response_serializer=_serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
+
+
+def _serialize(response) -> bytes:
+    """A message's bytes, or those of a train answer already encoded (EncodedTrainResponse)."""
+    return response.SerializeToString()
 
 
 def _read(path: str) -> bytes:

@@ -221,23 +221,9 @@ def slot_of(ref: pb.SlotRef, field: str = "slot") -> str | int:
     return getattr(ref, which)
 
 
-def train_response(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
-    response = pb.TrainResponse()
-    response.CopyFrom(_response_template(result.td_errors.shape[0]))   # dtypes and shapes
-    response.td_errors.data = np.ascontiguousarray(result.td_errors, np.float32).tobytes()
-    response.priorities.data = np.ascontiguousarray(result.priorities, np.float32).tobytes()
-    response.loss, response.q_taken_mean = result.loss, result.q_taken_mean
-    response.grad_norm, response.step, response.version = (result.grad_norm, result.step,
-                                                           result.version)
-    response.key.CopyFrom(key)
-    if result.entropy is not None:
-        response.entropy = result.entropy
-    return response
-
-
 class EncodedTrainResponse:
-    """A TrainResponse already in its wire bytes (:func:`encoded_train_response`), with
-    the fields the server reads back; recorded under its key as a message would be."""
+    """A TrainResponse already in its wire bytes (:func:`train_response`), with the fields
+    the server reads back; recorded under its key as a message would be."""
 
     __slots__ = ("data", "step", "loss", "rows")
     DESCRIPTOR = pb.TrainResponse.DESCRIPTOR   # the message it encodes (KeyGuard)
@@ -254,12 +240,11 @@ _DOUBLE = struct.Struct("<d")
 _ZERO_DOUBLE = bytes(8)
 
 
-def encoded_train_response(result: StepResult, key: bytes) -> EncodedTrainResponse:
-    """:func:`train_response` of ``result`` and a key given as its wire bytes, written
-    straight to protobuf's canonical bytes (field order, defaults left out; the key's as
-    given, canonical from a front's Packer), the vectors copied once and no message built.
-    The relay path's; tests hold it byte-equal to
-    ``train_response(...).SerializeToString()``."""
+def train_response(result: StepResult, key: bytes) -> EncodedTrainResponse:
+    """The TrainResponse of ``result`` and a key given as its wire bytes, written straight
+    to protobuf's canonical bytes (field order, defaults left out; the key's as given,
+    canonical from a client or a front's Packer), the vectors copied once and no message
+    built; tests hold it byte-equal to the message protobuf would serialise."""
     td = np.ascontiguousarray(result.td_errors, np.float32)          # [B]
     priorities = np.ascontiguousarray(result.priorities, np.float32)  # [B]
     step = varint(result.step)   # the version is the step: one varint for both
@@ -287,14 +272,6 @@ def _double_field(tag: bytes, value: float) -> bytes:
     """A proto3 double field: left out when its bits are all zero (-0.0 is written)."""
     packed = _DOUBLE.pack(value)
     return b"" if packed == _ZERO_DOUBLE else tag + packed
-
-
-@functools.lru_cache(maxsize=64)
-def _response_template(rows: int) -> pb.TrainResponse:
-    """A TrainResponse whose two tensors say float32 [rows] (copying it is cheaper than
-    building them)."""
-    fields = {"dtype": pb.DTYPE_FLOAT32, "shape": (rows,)}
-    return pb.TrainResponse(td_errors=fields, priorities=fields)
 
 
 @dataclass
@@ -471,8 +448,8 @@ class LearnerService(pb_grpc.LearnerServicer):
                 self._keys.record(actor_id, key.seq, response)
             return response
 
-    def _train(self, request: pb.TrainRequest,
-               context: grpc.ServicerContext | None) -> pb.TrainResponse:
+    def _train(self, request: pb.TrainRequest, context: grpc.ServicerContext | None
+               ) -> EncodedTrainResponse | pb.TrainResponse:
         with self.prepare_train(request) as job:
             return self.apply_train(job, context)
 
@@ -484,21 +461,18 @@ class LearnerService(pb_grpc.LearnerServicer):
         batch = decode_batch(request, keep_16bit=bool(learner.backend.feature_dtypes))
         return TrainJob(request.key, learner.prepare(batch))
 
-    def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None, *,
-                    encoded: bool = False) -> pb.TrainResponse | EncodedTrainResponse:
-        """Step a prepared request once under the apply lock (a replayed key's upload is
-        simply given back when the job closes).  ``encoded``: answer a new step with its
-        wire bytes (:class:`EncodedTrainResponse`), for a caller that sends bytes."""
+    def apply_train(self, job: TrainJob, context: grpc.ServicerContext | None
+                    ) -> EncodedTrainResponse | pb.TrainResponse:
+        """Step a prepared request once under the apply lock: a new step's answer in its wire
+        bytes (:class:`EncodedTrainResponse`), a replayed key's as the recorded message (its
+        upload is simply given back when the job closes)."""
         learner = self.learner
 
-        def apply() -> pb.TrainResponse | EncodedTrainResponse:
+        def apply() -> EncodedTrainResponse:
             result = learner.step(job.prepared)
-            if encoded:
-                key = job.key_bytes
-                response = encoded_train_response(
-                    result, key if key is not None else job.key.SerializeToString())
-            else:
-                response = train_response(result, job.key)
+            key = job.key_bytes
+            response = train_response(result, key if key is not None
+                                      else job.key.SerializeToString())
             if self.checkpoints is not None:
                 self.checkpoints.notify(response.step)
             return response

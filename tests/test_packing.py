@@ -201,21 +201,19 @@ def _both(service: LearnerService, data: bytes) -> tuple:
                     else "reference")
     twin.learner.load(service.learner.snapshot())
 
-    def answer(service: LearnerService, prepare, encoded: bool):
+    def answer(service: LearnerService, prepare):
         try:
-            with prepare() as job:   # the packed request answered in bytes, as the relay does
-                response = service.apply_train(job, None, encoded=encoded)
+            with prepare() as job:   # answered in bytes
+                response = service.apply_train(job, None)
         except Exception as exc:  # noqa: BLE001 — compared as the client would see it
             return refusal(exc, "TrainStream", "test")
-        if not encoded:
-            return response
         assert isinstance(response, EncodedTrainResponse)
         parsed = pb.TrainResponse.FromString(response.SerializeToString())
         assert parsed.SerializeToString() == response.SerializeToString()   # canonical
         return parsed
     packed = answer(service, lambda: service.relay_prepare_packed(*read_packed(
-        descriptor, memoryview(buffer), buffer.ctypes.data), "TrainStream"), True)
-    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), "TrainStream"), False)
+        descriptor, memoryview(buffer), buffer.ctypes.data), "TrainStream"))
+    unpacked = answer(twin, lambda: twin.relay_prepare(memoryview(data), "TrainStream"))
     return packed, unpacked
 
 

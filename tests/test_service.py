@@ -30,7 +30,7 @@ from duelq.server.core.learner import Learner, StepResult
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server import framing as wire
 from duelq.server.service import (RECORDED_KINDS, EncodedTrainResponse, LearnerService, Limits,
-                                  encoded_train_response, train_response)
+                                  train_response)
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
 
@@ -518,14 +518,25 @@ def _result(rng, rows: int, **fields) -> StepResult:
                       priorities=rng.random(rows).astype(np.float32), **values)
 
 
+def _message(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
+    """The TrainResponse that protobuf builds of ``result``: train_response's oracle."""
+    message = pb.TrainResponse(
+        loss=result.loss, td_errors=encode(result.td_errors, "td_errors"),
+        priorities=encode(result.priorities, "priorities"), q_taken_mean=result.q_taken_mean,
+        grad_norm=result.grad_norm, step=result.step, version=result.version, key=key)
+    if result.entropy is not None:
+        message.entropy = result.entropy
+    return message
+
+
 @pytest.mark.parametrize("rows", [0, 1, 31, 127, 128, 1024, 4097])
 @pytest.mark.parametrize("entropy", [None, 0.0, 1.25])
 def test_an_encoded_train_response_is_protobufs_own_bytes(rows, entropy):
     rng = np.random.default_rng(rows)
     for key in (pb.RequestKey(), pb.RequestKey(actor_id="actor-7", seq=2**33 + 5)):
         result = _result(rng, rows, entropy=entropy)
-        encoded = encoded_train_response(result, key.SerializeToString())
-        assert encoded.SerializeToString() == train_response(result, key).SerializeToString()
+        encoded = train_response(result, key.SerializeToString())
+        assert encoded.SerializeToString() == _message(result, key).SerializeToString()
         assert (encoded.step, encoded.loss, encoded.rows, encoded.replayed) == (
             result.step, result.loss, rows, False)
 
@@ -539,17 +550,17 @@ def test_an_encoded_train_response_is_protobufs_own_bytes(rows, entropy):
 def test_an_encoded_train_response_writes_scalars_as_protobuf_does(fields):
     result = _result(np.random.default_rng(0), 3, **fields)
     key = pb.RequestKey(actor_id="a", seq=1)
-    assert encoded_train_response(result, key.SerializeToString()).SerializeToString() == \
-        train_response(result, key).SerializeToString()
+    assert train_response(result, key.SerializeToString()).SerializeToString() == \
+        _message(result, key).SerializeToString()
 
 
 def test_an_encoded_response_is_recorded_replayed_and_checkpointed_as_its_message():
     rng = np.random.default_rng(3)
     key = pb.RequestKey(actor_id="a", seq=4)
     result = _result(rng, 8)
-    message = train_response(result, key)
+    message = _message(result, key)
     guard = KeyGuard(capacity=4, window=8)
-    guard.record("a", 4, encoded_train_response(result, key.SerializeToString()))
+    guard.record("a", 4, train_response(result, key.SerializeToString()))
     assert guard.lookup("a", 4, pb.TrainResponse).SerializeToString() == \
         message.SerializeToString()
     with pytest.raises(InvalidArgument, match="already used by a TrainResponse"):
@@ -567,7 +578,7 @@ def test_a_repeated_key_answered_encoded_is_replayed_as_a_message(rng):
     answers = []
     for _ in range(2):
         with service.relay_prepare(memoryview(data), "TrainStream") as job:
-            answers.append(service.apply_train(job, None, encoded=True))
+            answers.append(service.apply_train(job, None))
     first, again = answers
     assert isinstance(first, EncodedTrainResponse) and isinstance(again, pb.TrainResponse)
     assert again.replayed and learner.step_count == 1

@@ -176,7 +176,8 @@ def sample_messages(config: LearnerConfig, B: int, wire: str):
     td = np.random.default_rng(0).standard_normal(B).astype(np.float32)
     result = StepResult(loss=1.0, td_errors=td, priorities=np.abs(td), q_taken_mean=0.5,
                         grad_norm=2.0, step=123456, version=123456, entropy=None)
-    return batch, request, result, train_response(result, key)
+    return batch, request, result, pb.TrainResponse.FromString(
+        train_response(result, key.SerializeToString()).SerializeToString())
 
 
 def _median_us(fn: Callable[[], Any], reps: int) -> float:
@@ -206,8 +207,8 @@ def codec_costs(config: LearnerConfig, B: int, wire: str, reps: int = 20) -> dic
         "server_parse_us": _median_us(lambda: pb.TrainRequest.FromString(data), reps),
         "server_decode_us": _median_us(lambda: decode_batch(parsed), reps),
         "server_validate_us": _median_us(lambda: validate_batch(decoded, config, 1 << 30), reps),
-        "server_encode_us": _median_us(lambda: train_response(result, request.key), reps),
-        "server_serialize_us": _median_us(response.SerializeToString, reps),
+        "server_encode_us": _median_us(
+            lambda: train_response(result, request.key.SerializeToString()), reps),
         "client_decode_us": _median_us(lambda: _train_result(response), reps),
     }
 

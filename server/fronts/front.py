@@ -720,7 +720,7 @@ class RelayedService:
     def apply(self, job: TrainJob | InsertJob, call: RelayCall) -> bytes:
         if type(job) is InsertJob:
             return self._service.apply_insert(job, call).SerializeToString()
-        response = self._service.apply_train(job, call, encoded=True)
+        response = self._service.apply_train(job, call)
         if self._metrics is not None:   # the latency from the request's arrival here
             self._metrics.observe_answer(response, call.arrived)
         return response.SerializeToString()
