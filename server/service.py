@@ -53,7 +53,7 @@ from duelq.server.gate import END, FAILED, StreamReader
 from duelq.server.idempotency import AlreadyApplied, KeyGuard
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
-from duelq.wire.tensors import TensorError, decode, encode, float16_to_float32, tensor_head, varint
+from duelq.wire.tensors import TensorError, decode, encode, tensor_head, varint
 from duelq.wire.types import FIELD_DTYPES, PARAM_NAMES, Transitions
 
 log = logging.getLogger(__name__)
@@ -154,12 +154,11 @@ def _required(message, field: str) -> np.ndarray:
 
 def _features(message, field: str, keep_16bit: bool) -> np.ndarray:
     """A feature matrix: float16 and bfloat16 as they came when the backend widens them
-    itself, else widened to float32 here (exactly, and faster than the learner's checks
-    would: they then see float32, whose finiteness test is vectorised)."""
+    itself, else widened to float32 here (exactly)."""
     if not message.HasField(field):
         raise InvalidArgument(field, "is required")
     a = decode(getattr(message, field), field, widen=not keep_16bit, dtypes=FIELD_DTYPES[field])
-    return float16_to_float32(a) if a.dtype == np.float16 and not keep_16bit else a
+    return a.astype(np.float32) if a.dtype == np.float16 and not keep_16bit else a
 
 
 def decode_batch(request: pb.TrainRequest, *, keep_16bit: bool = False) -> Batch:

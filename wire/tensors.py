@@ -91,27 +91,6 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return wide.view(np.float32)
 
 
-def float16_to_float32(a: np.ndarray) -> np.ndarray:
-    """float16 → float32, exact; faster than ``astype``, a scalar loop in NumPy.
-
-    The magnitude bits shifted into float32's place and scaled by 2^112 give the
-    value (normal and subnormal alike); the sign is put back after.  Arrays holding
-    Inf or NaN take ``astype``.
-    """
-    bits = np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
-    if bits.size == 0 or (bits & np.uint16(0x7C00)).max() == 0x7C00:
-        return a.astype(np.float32)
-    u = bits.astype(np.uint32)
-    sign = u & np.uint32(0x8000)
-    u ^= sign
-    u <<= 13
-    out = u.view(np.float32)
-    out *= np.float32(2.0 ** 112)
-    sign <<= 16
-    u |= sign
-    return out
-
-
 def encode(array: np.ndarray, field: str, *, wire: str | None = None) -> pb.Tensor:
     """A numpy array as a Tensor; ``wire`` picks the wire dtype (default: the array's).
 
