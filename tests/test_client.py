@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from duelq.client import LearnerClient, errors
-from duelq.wire.tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from duelq.server.core.config import LearnerConfig
 from duelq.server.core.learner import Learner
 
@@ -94,7 +93,7 @@ def test_act_weights_isv_entropy_and_info_match_the_local_learner(client, local,
 def test_half_precision_features_arrive_as_their_float32_values(server, local, rng, wire):
     batch = random_batch(rng, 8)
     rounded = {"float16": lambda a: a.astype(np.float16).astype(np.float32),
-               "bfloat16": lambda a: bfloat16_bits_to_float32(float32_to_bfloat16_bits(a))}[wire]
+               "bfloat16": lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)}[wire]
     with LearnerClient(server.target, feature_dtype=wire) as client:
         result = client.train_step(batch)
     expected = local.step(replace(batch, h_t=rounded(batch.h_t), h_tp1=rounded(batch.h_tp1)))

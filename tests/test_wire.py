@@ -9,8 +9,8 @@ import pytest
 
 from duelq.client.client import encode_batch, encode_batch_wire
 from duelq.client.errors import InvalidArgument
-from duelq.wire.tensors import (INSERT_FIELDS, KEY_FIELD, TRAIN_FIELDS, bfloat16_bits_to_float32,
-                                encode, float32_to_bfloat16_bits, tensor_wire, varint)
+from duelq.wire.tensors import (INSERT_FIELDS, KEY_FIELD, TRAIN_FIELDS, decode, encode,
+                                tensor_wire, varint)
 from duelq.server.service import decode_batch
 from duelq.v1 import learner_pb2 as pb
 
@@ -94,10 +94,12 @@ def test_bfloat16_encode_rounds_like_the_reference_formula():
     a = bits.astype(np.uint32).view(np.float32)
     u = a.view(np.uint32)
     want = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    want = np.where(np.isnan(a), np.uint16(0x7FC0), want)
-    assert np.array_equal(float32_to_bfloat16_bits(a), want)
-    assert np.array_equal(bfloat16_bits_to_float32(want[~np.isnan(a)]).view(np.uint32) >> 16,
-                          want[~np.isnan(a)])
+    tensor = encode(a, "h", wire="bfloat16")
+    nan = np.isnan(a)
+    assert np.array_equal(np.frombuffer(tensor.data, "<u2")[~nan], want[~nan])
+    wide = decode(tensor, "h")   # widened exactly: the bits back in float32's top half
+    assert np.array_equal(wide[~nan].view(np.uint32) >> 16, want[~nan])
+    assert np.isnan(wide[nan]).all()
 
 
 def test_train_and_insert_fields_follow_the_proto():

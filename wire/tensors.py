@@ -68,29 +68,6 @@ class TensorError(ValueError):
 _bad = TensorError
 
 
-def float32_to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 → uint16 bfloat16 bit patterns, round to nearest even; NaN stays NaN."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    bits = a.view(np.uint32)
-    rounded = bits >> 16          # one temporary, updated in place (uint32 wraps like C)
-    rounded &= 1
-    rounded += 0x7FFF
-    rounded += bits
-    rounded >>= 16
-    out = rounded.astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
-def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """uint16 bfloat16 bit patterns → float32 (exact)."""
-    wide = bits.astype(np.uint32)
-    wide <<= 16  # in place: one array, not two
-    return wide.view(np.float32)
-
-
 def encode(array: np.ndarray, field: str, *, wire: str | None = None) -> pb.Tensor:
     """A numpy array as a Tensor; ``wire`` picks the wire dtype (default: the array's).
 
@@ -126,13 +103,13 @@ def wire_array(array: np.ndarray, field: str, *,
     if a.ndim > MAX_NDIM:
         raise _bad(field, f"has {a.ndim} dimensions, at most {MAX_NDIM}")
     enum, raw = WIRE_DTYPES[name]
-    if name == "bfloat16":
-        if a.dtype == BFLOAT16:   # already bfloat16 (a model's output, say): its bits
-            data = np.ascontiguousarray(a).view(np.uint16).astype(raw, copy=False)
-        elif a.dtype.kind == "f":
-            data = float32_to_bfloat16_bits(a).astype(raw, copy=False)
-        else:
+    if name == "bfloat16":   # bfloat16 data (a model's output, say) goes as its bits
+        if a.dtype != BFLOAT16 and a.dtype.kind != "f":
             raise _bad(field, f"bfloat16 needs floating-point data, got {a.dtype}")
+        if a.dtype != BFLOAT16:   # through float32, rounded to nearest even (ml_dtypes)
+            with np.errstate(invalid="ignore"):   # a signalling NaN stays a NaN, silently
+                a = np.asarray(a, np.float32).astype(BFLOAT16)
+        data = np.ascontiguousarray(a).view(np.uint16).astype(raw, copy=False)
     else:
         if a.dtype.name != name:
             raise _bad(field, f"dtype {a.dtype} does not match wire dtype {name}")
@@ -212,4 +189,4 @@ def decode(tensor: pb.Tensor, field: str, *, widen: bool = True,
                 from None
     if name != "bfloat16":
         return a
-    return bfloat16_bits_to_float32(a) if widen else a.view(BFLOAT16)
+    return a.view(BFLOAT16).astype(np.float32) if widen else a.view(BFLOAT16)
