@@ -513,7 +513,6 @@ def _result(rng, rows: int, **fields) -> StepResult:
                   grad_norm=float(rng.random() * 10), step=int(rng.integers(1, 2**40)),
                   entropy=None)
     values.update(fields)
-    values.setdefault("version", values["step"])
     return StepResult(td_errors=rng.normal(size=rows).astype(np.float32),
                       priorities=rng.random(rows).astype(np.float32), **values)
 
@@ -523,7 +522,7 @@ def _message(result: StepResult, key: pb.RequestKey) -> pb.TrainResponse:
     message = pb.TrainResponse(
         loss=result.loss, td_errors=encode(result.td_errors, "td_errors"),
         priorities=encode(result.priorities, "priorities"), q_taken_mean=result.q_taken_mean,
-        grad_norm=result.grad_norm, step=result.step, version=result.version, key=key)
+        grad_norm=result.grad_norm, step=result.step, version=result.step, key=key)
     if result.entropy is not None:
         message.entropy = result.entropy
     return message
@@ -542,10 +541,10 @@ def test_an_encoded_train_response_is_protobufs_own_bytes(rows, entropy):
 
 
 @pytest.mark.parametrize("fields", [
-    dict(loss=0.0, q_taken_mean=0.0, grad_norm=0.0, step=0, version=0),   # defaults left out
-    dict(loss=-0.0, q_taken_mean=-0.0, grad_norm=0.0, step=1, version=1),  # -0.0 is written
-    dict(loss=1e-320, q_taken_mean=-3.5, grad_norm=math.inf, step=127, version=128),
-    dict(loss=0.5, q_taken_mean=1.0, grad_norm=2.0, step=2**64 - 1, version=2**64 - 1),
+    dict(loss=0.0, q_taken_mean=0.0, grad_norm=0.0, step=0),         # defaults left out
+    dict(loss=-0.0, q_taken_mean=-0.0, grad_norm=0.0, step=1),       # -0.0 is written
+    dict(loss=1e-320, q_taken_mean=-3.5, grad_norm=math.inf, step=128),   # a 2-byte varint
+    dict(loss=0.5, q_taken_mean=1.0, grad_norm=2.0, step=2**64 - 1),
 ])
 def test_an_encoded_train_response_writes_scalars_as_protobuf_does(fields):
     result = _result(np.random.default_rng(0), 3, **fields)

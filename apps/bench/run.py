@@ -175,7 +175,7 @@ def sample_messages(config: LearnerConfig, B: int, wire: str):
     request.key.CopyFrom(key)
     td = np.random.default_rng(0).standard_normal(B).astype(np.float32)
     result = StepResult(loss=1.0, td_errors=td, priorities=np.abs(td), q_taken_mean=0.5,
-                        grad_norm=2.0, step=123456, version=123456, entropy=None)
+                        grad_norm=2.0, step=123456, entropy=None)
     return batch, request, result, pb.TrainResponse.FromString(
         train_response(result, key.SerializeToString()).SerializeToString())
 

@@ -48,8 +48,7 @@ class StepResult:
     priorities: np.ndarray    # [B] float32, |δ| + ε
     q_taken_mean: float       # mean Q_θ(h_t)[a] before the update
     grad_norm: float          # global gradient norm before clipping
-    step: int                 # steps applied, this one included
-    version: int              # weights version after this step (== step)
+    step: int                 # steps applied, this one included: the weights' version
     entropy: float | None     # batch action entropy if step_entropy_slot is set
 
 
@@ -268,7 +267,7 @@ class Learner:
             step = self.backend.step
         return StepResult(loss=out.loss, td_errors=out.td_errors, priorities=out.priorities,
                           q_taken_mean=out.q_taken_mean, grad_norm=out.grad_norm,
-                          step=step, version=step, entropy=out.entropy)
+                          step=step, entropy=out.entropy)
 
     def q_values(self, h: np.ndarray, target: bool = False) -> np.ndarray:
         """[B, H] features → [B, N] float32 Q-values under θ (or θ⁻)."""
