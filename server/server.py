@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 from concurrent import futures
@@ -42,7 +43,7 @@ from duelq.v1 import learner_pb2_grpc as pb_grpc
 from duelq.server.core.checkpoint import (TUNABLE_FIELDS, CheckpointError, CheckpointWriter,
                                           changed_fields, read_latest)
 from duelq.server.core.config import LearnerConfig
-from duelq.server.core.errors import InvalidArgument
+from duelq.server.core.errors import InvalidArgument, check_setting
 from duelq.server.core.learner import Learner, make_backend
 from duelq.server.core.replay import ReplayState
 from duelq.server.core.state import LearnerState
@@ -131,9 +132,7 @@ class ServerOptions:
     serves gRPC from the learner's own process."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, problem: str) -> None:
-            if not ok:
-                raise InvalidArgument(name, f"{problem} (got {getattr(self, name)!r})")
+        need = functools.partial(check_setting, self)
 
         need(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         need(self.max_message_bytes >= 1 << 16, "max_message_bytes", "must be ≥ 65536")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from duelq.server.core.errors import InvalidArgument
+from duelq.server.core.errors import InvalidArgument, check_setting
 
 #: The default named ISV slots; names and indices are configuration.
 DEFAULT_ISV_SLOTS: dict[str, int] = {
@@ -83,9 +84,7 @@ class LearnerConfig:
     """Key of the replay's counter-based random stream (Philox4x32-10; in [0, 2^64))."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, problem: str) -> None:
-            if not ok:
-                raise InvalidArgument(name, f"{problem} (got {getattr(self, name)!r})")
+        need = functools.partial(check_setting, self)
 
         def finite(name: str) -> float:
             value = getattr(self, name)

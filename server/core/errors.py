@@ -19,6 +19,13 @@ class InvalidArgument(LearnerError, ValueError):
         self.problem = problem
 
 
+def check_setting(owner: object, ok: bool, name: str, problem: str) -> None:
+    """Refuse ``owner``'s setting ``name`` unless ``ok``: InvalidArgument naming it, its
+    value and ``problem`` (a configuration dataclass's check of one field)."""
+    if not ok:
+        raise InvalidArgument(name, f"{problem} (got {getattr(owner, name)!r})")
+
+
 class NonFiniteStep(LearnerError, ArithmeticError):
     """A step overflowed (non-finite TD errors, loss, gradient or updated state); it was
     refused, and its message says what overflowed."""
