@@ -103,8 +103,10 @@ def test_bfloat16_encode_rounds_like_the_reference_formula():
 
 
 def test_train_and_insert_fields_follow_the_proto():
-    """The tensor fields both ends write by number, in field order, and the key after them."""
-    assert TRAIN_FIELDS == {"h_t": 1, "h_tp1": 2, "actions": 3, "rewards": 4, "dones": 5,
-                            "discounts": 6, "weights": 7}
-    assert INSERT_FIELDS == {**dict(list(TRAIN_FIELDS.items())[:6]), "priorities": 7}
+    """The tensor fields both ends write by number, in field order (the framing and the
+    packing rely on it), and the key after them."""
+    assert list(TRAIN_FIELDS.items()) == [("h_t", 1), ("h_tp1", 2), ("actions", 3),
+                                          ("rewards", 4), ("dones", 5), ("discounts", 6),
+                                          ("weights", 7)]
+    assert list(INSERT_FIELDS.items()) == list(TRAIN_FIELDS.items())[:6] + [("priorities", 7)]
     assert KEY_FIELD == 8 == pb.InsertStreamRequest.DESCRIPTOR.fields_by_name["key"].number

@@ -103,7 +103,7 @@ def overhead_table(rows: list[dict], costs: dict) -> str:
             continue
         c = costs.get(f"{r['batch']}/{r['wire']}", {})
         offline = " / ".join(_f(c.get(f"server_{k}_us")) for k in
-                             ("parse", "decode", "validate", "encode", "serialize"))
+                             ("parse", "decode", "validate", "encode"))
         lines.append(
             f"| {r['backend']} ({r['kind']}) | {r['batch']} | {r['wire']} | {r['actors']} "
             f"| {s['parse_cpu']:.0f} | {s['handler_cpu']:.0f} | {s['backend_cpu']:.0f} "
@@ -111,7 +111,7 @@ def overhead_table(rows: list[dict], costs: dict) -> str:
             f"| {s['wait']:.0f} | {offline} |")
     return markdown("| backend | B | wire | K | parse | handler | backend step | serialise "
                     "| **overhead** (CPU) | overhead (wall) | lock wait (wall) "
-                    "| off-line: parse / decode / validate / encode / serialise |", lines)
+                    "| off-line: parse / decode / validate / encode |", lines)
 
 
 def device_table(result: dict) -> str:

@@ -163,11 +163,14 @@ def make_backend(kind: str, config: LearnerConfig, state: LearnerState) -> Backe
 
 def make_replay(config: LearnerConfig, backend: Backend) -> ReplayBuffer:
     """The replay buffer of ``config`` beside ``backend``: on the device for the cuda
-    backend, in host memory otherwise (stepped through the backend's propose and commit).
-    Raises ReplayTooLarge when it cannot be held."""
+    backend, in host memory otherwise, a wrapper of the cuda backend (the bench's timing
+    one) included: it is stepped through the backend's propose and commit.  Raises
+    ReplayTooLarge when it cannot be held."""
     if backend.name == "cuda":
-        from duelq.server.core.cuda_replay import CudaReplay
-        return CudaReplay(config, backend)
+        from duelq.server.core.cuda import CudaBackend
+        if isinstance(backend, CudaBackend):
+            from duelq.server.core.cuda_replay import CudaReplay
+            return CudaReplay(config, backend)
     needed = replay_bytes(config)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > memory:
