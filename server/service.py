@@ -76,8 +76,8 @@ RECORDED_KINDS = {"TrainResponse": pb.TrainResponse,
 MAX_REPLAY_STEPS = 4096
 #: The checkpoint extra that holds the replay buffer (``--checkpoint-replay``).
 REPLAY_BUFFER_EXTRA = "replay_buffer"
-#: The checkpoint extra that holds the idempotency records (a name kept from before the
-#: replay buffer existed: checkpoints written so are read as they are).
+#: The checkpoint extra that holds the idempotency records; its name is part of the
+#: checkpoint format.
 KEY_RECORDS_EXTRA = "replay"
 
 
