@@ -246,14 +246,13 @@ def train_response(result: StepResult, key: bytes) -> EncodedTrainResponse:
     built; tests hold it byte-equal to the message protobuf would serialise."""
     td = np.ascontiguousarray(result.td_errors, np.float32)          # [B]
     priorities = np.ascontiguousarray(result.priorities, np.float32)  # [B]
-    step = b"" if not result.step else varint(result.step)   # also the version's value
+    step = varint(result.step)   # the version's value too
     parts = [_double_field(b"\x09", result.loss),
              _float32_head(2, td.shape, td.nbytes), td,
              _float32_head(3, priorities.shape, priorities.nbytes), priorities,
              _double_field(b"\x21", result.q_taken_mean),
              _double_field(b"\x29", result.grad_norm),
-             b"\x30" + step if step else b"",
-             b"\x38" + step if step else b""]
+             b"\x30" + step + b"\x38" + step if result.step else b""]
     if result.entropy is not None:   # optional: present even when 0
         parts.append(b"\x41" + _DOUBLE.pack(result.entropy))
     parts += (b"\x4a", varint(len(key)), key)   # the key is always set

@@ -34,9 +34,9 @@ _BY_ENUM = {enum: (name, raw) for name, (enum, raw) in WIRE_DTYPES.items()}
 MAX_NDIM = 8
 #: TrainRequest's and InsertStreamRequest's tensor fields in field order, by name: their
 #: field numbers (read from learner.proto's descriptor); the key follows them in both.
-TRAIN_FIELDS = {f.name: f.number for f in pb.TrainRequest.DESCRIPTOR.fields if f.name != "key"}
-INSERT_FIELDS = {f.name: f.number for f in pb.InsertStreamRequest.DESCRIPTOR.fields
-                 if f.name != "key"}
+TRAIN_FIELDS, INSERT_FIELDS = ({f.name: f.number for f in message.DESCRIPTOR.fields
+                                 if f.name != "key"}
+                                for message in (pb.TrainRequest, pb.InsertStreamRequest))
 KEY_FIELD = pb.TrainRequest.DESCRIPTOR.fields_by_name["key"].number
 #: Raw dtype → enum of the wire dtypes an array may already be in (not bfloat16: uint16).
 _ENUM_BY_RAW = {raw: enum for name, (enum, raw) in WIRE_DTYPES.items() if name != "bfloat16"}

@@ -196,6 +196,7 @@ def codec_costs(config: LearnerConfig, B: int, wire: str, reps: int = 20) -> dic
     data, reply = request.SerializeToString(), response.SerializeToString()
     parsed = pb.TrainRequest.FromString(data)
     decoded = decode_batch(parsed)
+    key = request.key.SerializeToString()
     return {
         "request_bytes": len(data), "response_bytes": len(reply),
         # What LearnerClient does per batch: checks and the wire bytes, one copy of the data.
@@ -207,8 +208,7 @@ def codec_costs(config: LearnerConfig, B: int, wire: str, reps: int = 20) -> dic
         "server_parse_us": _median_us(lambda: pb.TrainRequest.FromString(data), reps),
         "server_decode_us": _median_us(lambda: decode_batch(parsed), reps),
         "server_validate_us": _median_us(lambda: validate_batch(decoded, config, 1 << 30), reps),
-        "server_encode_us": _median_us(
-            lambda: train_response(result, request.key.SerializeToString()), reps),
+        "server_encode_us": _median_us(lambda: train_response(result, key), reps),
         "client_decode_us": _median_us(lambda: _train_result(response), reps),
     }
 

@@ -2,8 +2,9 @@
  * loads it; the structs below are read by native.py to make their ctypes twins).
  *
  * An upload (copy, event) and a step (wait, launch, copy back, sync, block totals) are one
- * ctypes call each, where CuPy's wrappers would take eight, each releasing the GIL.  The driver's entry points come from the libcuda that CuPy has loaded;
- * no CUDA header is needed to build this file, only a C compiler.
+ * ctypes call each, where CuPy's wrappers would take eight, each releasing the GIL.  The
+ * driver's entry points come from the libcuda that CuPy has loaded; no CUDA header is
+ * needed to build this file, only a C compiler.
  */
 #include <dlfcn.h>
 #include <stddef.h>
