@@ -18,10 +18,11 @@
 //                   owner mark (the draw's mark and the largest batch position that drew it)
 //   (learner_step, unchanged, on those inputs, writing the proposed state)
 //   replay_commit   cooperative: if the step is finite and no earlier step of the run was
-//                   refused, copies the proposed state over the current one, records the
-//                   step's figures and writes the drawn rows' priorities back (the position
-//                   that owns a row: its last occurrence in batch order), then updates the
-//                   tree; otherwise marks the run halted and changes nothing.
+//                   refused, copies the proposed state over the current one, copies the
+//                   step's per-block partials into the run's report (the host adds them, as
+//                   for a batch step) and writes the drawn rows' priorities back (the
+//                   position that owns a row: its last occurrence in batch order), then
+//                   updates the tree; otherwise marks the run halted and changes nothing.
 //   replay_insert   cooperative: rows into the buffer at the cursor (16-bit features into a
 //                   float32 buffer widened on the way), their priorities and leaves, then
 //                   the tree.
@@ -29,10 +30,11 @@
 //   replay_check    every value of the staged rows against the insert's rules (features
 //                   finite, actions in [0, N), rewards finite, dones 0 or 1, discounts in
 //                   [0, 1], priorities finite and > 0): one word, 1 if any fails.
-// The tree is updated level by level, a grid barrier (grid_barrier) before each level with
-// more than TOP_NODES nodes; the last block to finish those updates the small levels at
-// the top alone. No reduction whose order depends on timing: atomics only take maxima
-// (owner marks, the largest priority), whose result is the same in any order.
+// The tree is updated two levels at a time (update_pair), a grid barrier (grid_barrier)
+// before each pair that holds a level of more than TOP_NODES nodes; the last block to
+// finish those updates the small levels at the top alone. No reduction whose order
+// depends on timing: atomics only take maxima (owner marks, the largest priority), whose
+// result is the same in any order.
 
 #include "dueling_common.cuh"
 
@@ -163,20 +165,96 @@ __device__ void update_level(int k, const int* rows, int start, int count, const
     }
 }
 
+// Recompute levels k and k + 1 (k < D) above `count` touched leaves, every node of level
+// k + 1 when it has no more nodes than `count`: a warp takes a node of level k + 1; lane i
+// recomputes its child i at level k from that child's 32 children, loaded at once and
+// added in registers in the butterfly's order (so the bits are update_level's), then the
+// warp's butterfly gives the node. One L2 round trip for two levels, and no barrier
+// between them: the children of level k + 1's nodes are written by the warp that reads them.
+__device__ void update_pair(int k, const int* rows, int start, int count, const float* leaves,
+                            double* sums, float* mins, long long warp, long long warps) {
+    const int lane = threadIdx.x & 31;
+    const long long nodes = tree_nodes[k + 1];
+    const bool whole = nodes <= count;
+    const long long tasks = whole ? nodes : count;
+    for (long long t = warp; t < tasks; t += warps) {  // the same t in every lane of the warp
+        const long long node = whole ? t : touched_row(rows, start, t) >> (5 * (k + 1));
+        const long long child = node * FANOUT + lane;  // at level k
+        double s = 0.0;                                // padding past the level: 0, +inf
+        float m = __int_as_float(0x7f800000);
+        if (child < tree_nodes[k]) {
+            double c[FANOUT];
+            if (k == 1) {
+                const float4* in = reinterpret_cast<const float4*>(leaves + child * FANOUT);
+#pragma unroll
+                for (int q = 0; q < FANOUT / 4; ++q) {
+                    const float4 v = __ldcg(in + q);
+                    c[4 * q] = v.x, c[4 * q + 1] = v.y, c[4 * q + 2] = v.z, c[4 * q + 3] = v.w;
+                    m = fminf(fminf(fminf(fminf(m, positive_or_inf(v.x)), positive_or_inf(v.y)),
+                                    positive_or_inf(v.z)), positive_or_inf(v.w));
+                }
+            } else {
+                const long long at = tree_offset[k - 1] + child * FANOUT;
+                const double2* in = reinterpret_cast<const double2*>(sums + at);
+                const float4* in_min = reinterpret_cast<const float4*>(mins + at);
+#pragma unroll
+                for (int q = 0; q < FANOUT / 2; ++q) {
+                    const double2 v = __ldcg(in + q);
+                    c[2 * q] = v.x, c[2 * q + 1] = v.y;
+                }
+#pragma unroll
+                for (int q = 0; q < FANOUT / 4; ++q) {
+                    const float4 v = __ldcg(in_min + q);
+                    m = fminf(fminf(fminf(fminf(m, positive_or_inf(v.x)), positive_or_inf(v.y)),
+                                    positive_or_inf(v.z)), positive_or_inf(v.w));
+                }
+            }
+#pragma unroll
+            for (int o = FANOUT / 2; o > 0; o >>= 1)  // lane 0's order of the xor butterfly
+#pragma unroll
+                for (int i = 0; i < o; ++i) c[i] = __dadd_rn(c[i], c[i + o]);
+            s = c[0];
+            sums[tree_offset[k] + child] = s;
+            mins[tree_offset[k] + child] = m;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            s = __dadd_rn(s, __shfl_xor_sync(FULL_MASK, s, o));
+            m = fminf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        }
+        if (lane == 0) {
+            sums[tree_offset[k + 1] + node] = s;
+            mins[tree_offset[k + 1] + node] = m;
+        }
+    }
+}
+
+// Levels k, k + 1, … up to D by `warps` warps: pairs while two levels are left, then one.
+__device__ void update_levels(int k, int last, const int* rows, int start, int count,
+                              const float* leaves, double* sums, float* mins, long long warp,
+                              long long warps) {
+    if (k < last) update_pair(k, rows, start, count, leaves, sums, mins, warp, warps);
+    else update_level(k, rows, start, count, leaves, sums, mins, warp, warps);
+}
+
+// Grid-wide passes of a tree update: the pairs that hold the levels below TOP_LEVEL.
+#define GRID_PASSES (TOP_LEVEL / 2)
+
 // Levels 1..D above `count` touched leaves; every block of the grid calls it after writing
-// its leaves. The levels below TOP_LEVEL go grid-wide, a grid barrier before each (targets
-// barrier, barrier + 1, …); the last block to finish them (the ticket counts arrivals; that
-// block sets it back to 0) updates the levels from TOP_LEVEL up alone. Other blocks return.
+// its leaves. The pairs of levels below TOP_LEVEL go grid-wide, a grid barrier before each
+// (targets barrier, barrier + 1, …); the last block to finish them (the ticket counts
+// arrivals; that block sets it back to 0) updates the levels above alone. Other blocks
+// return.
 __device__ void update_tree(const int* rows, int start, int count, const float* leaves,
                             double* sums, float* mins, unsigned int* arrivals,
                             unsigned int barrier, unsigned int* ticket) {
     __shared__ bool last;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    for (int k = 1; k < TOP_LEVEL; ++k) {
+    for (int pass = 0; pass < GRID_PASSES; ++pass) {
         __threadfence();
-        grid_barrier(arrivals, barrier + (unsigned int)(k - 1));
-        update_level(k, rows, start, count, leaves, sums, mins, warp,
-                     ((long long)gridDim.x * blockDim.x) >> 5);
+        grid_barrier(arrivals, barrier + (unsigned int)pass);
+        update_pair(2 * pass + 1, rows, start, count, leaves, sums, mins, warp,
+                    ((long long)gridDim.x * blockDim.x) >> 5);
     }
     __threadfence();
     __syncthreads();
@@ -184,8 +262,9 @@ __device__ void update_tree(const int* rows, int start, int count, const float* 
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int k = TOP_LEVEL; k <= TREE_DEPTH; ++k) {
-        update_level(k, rows, start, count, leaves, sums, mins, threadIdx.x >> 5, WARPS);
+    for (int k = 2 * GRID_PASSES + 1; k <= TREE_DEPTH; k += 2) {
+        update_levels(k, TREE_DEPTH, rows, start, count, leaves, sums, mins, threadIdx.x >> 5,
+                      WARPS);
         __syncthreads();
     }
     if (threadIdx.x == 0) *ticket = 0u;
@@ -195,7 +274,7 @@ __device__ void update_tree(const int* rows, int start, int count, const float* 
 // replay_insert; the host numbers them: each launch's targets follow the last's), a row's
 // feature bytes.
 extern "C" {
-__device__ unsigned int replay_layout[2] = {TOP_LEVEL - 1, ROW_BYTES};
+__device__ unsigned int replay_layout[2] = {GRID_PASSES, ROW_BYTES};
 }
 
 // A row's owner mark: the draw's mark (the host's count of draws, from 1; 48 bits last
@@ -297,7 +376,8 @@ struct CommitArgs {
     float* mins;
     float* max_priority;        // [1] the largest priority written (bits compare as uints)
     unsigned int* control;      // [2] the run's halted flag, steps committed in the run
-    double* stats;              // [run][3] loss, mean Q, gradient norm of each committed step
+    float* stats;               // [run][5][G] each committed step's per-block partials, as
+                                // learner_step wrote them (finite, norm, loss, Q sum, inputs ok)
     unsigned int* arrivals;     // [G] grid-barrier flags
     unsigned int* ticket;       // [1] update_tree's count of blocks done; 0 between launches
     unsigned long long mark;    // the draw's mark, as replay_sample got it
@@ -311,7 +391,6 @@ struct CommitArgs {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_commit(const CommitArgs a) {
     __shared__ int commit;
-    __shared__ float figures[3][THREADS];
     const int B = a.batch, G = a.step_blocks;
     const float* head = a.out + 2 * B;  // entropy, then [5][G]
     if (threadIdx.x < 32) {  // the same decision in every block (see the host's propose)
@@ -349,33 +428,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) replay_commit(const Com
     for (int o = 16; o > 0; o >>= 1) largest = max(largest, __shfl_xor_sync(FULL_MASK, largest, o));
     if ((threadIdx.x & 31) == 0 && largest != 0u)
         atomicMax(reinterpret_cast<unsigned int*>(a.max_priority), largest);
-    if (blockIdx.x == 0) {  // the step's figures, added in order as the host does
-        double loss = 0.0, q = 0.0, norm2 = 0.0;  // (server/core/native.c)
-        for (int first = 0; first < G; first += THREADS) {  // loaded together, then added
-            const int g = first + threadIdx.x;
-            if (g < G) {
-                figures[0][threadIdx.x] = head[1 + G + g];
-                figures[1][threadIdx.x] = head[1 + 2 * G + g];
-                figures[2][threadIdx.x] = head[1 + 3 * G + g];
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                for (int j = 0; j < min(THREADS, G - first); ++j) {
-                    const double n = (double)figures[0][j];
-                    norm2 = __dadd_rn(norm2, __dmul_rn(n, n));
-                    loss = __dadd_rn(loss, (double)figures[1][j]);
-                    q = __dadd_rn(q, (double)figures[2][j]);
-                }
-            }
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) {
-            a.stats[3 * a.stats_row] = __ddiv_rn(loss, (double)B);
-            a.stats[3 * a.stats_row + 1] = __ddiv_rn(q, (double)B);
-            a.stats[3 * a.stats_row + 2] = __dsqrt_rn(norm2);
-            a.control[1] += 1u;
-        }
-    }
+    float* partials = a.stats + (size_t)a.stats_row * 5 * G;  // the host adds them up
+    for (long long i = tid; i < 5LL * G; i += threads) partials[i] = head[1 + i];
+    if (tid == 0) a.control[1] += 1u;
     update_tree(a.drawn, 0, B, a.leaves, a.sums, a.mins, a.arrivals, a.barrier, a.ticket);
 }
 

@@ -40,7 +40,7 @@ def numpy_totals(parts: np.ndarray) -> list[float]:
 def c_totals(lib: native.Native, parts: np.ndarray) -> list[float]:
     parts = np.ascontiguousarray(parts, np.float32)
     totals = (ctypes.c_double * 5)()
-    lib.block_totals(parts.ctypes.data, parts.shape[1], ctypes.addressof(totals))
+    lib.block_totals(parts.ctypes.data, parts.shape[1], 1, ctypes.addressof(totals))
     return totals[:]
 
 
@@ -65,6 +65,19 @@ def test_block_totals_match_numpy_bit_for_bit(cache, blocks):
     parts[2, blocks // 2], parts[3, 0] = np.inf, np.nan
     got, want = np.array(c_totals(lib, parts)), np.array(numpy_totals(parts))
     np.testing.assert_array_equal(got, want)
+
+
+def test_block_totals_of_a_run_are_each_steps(cache):
+    """A replay run's partials [steps][5][G] give each step's totals, as one step's call
+    would."""
+    lib = native.load(cuda=False)
+    rng = np.random.default_rng(5)
+    parts = rng.standard_normal((3, 5, 66)).astype(np.float32)
+    totals = np.empty((3, 5))
+    lib.block_totals(parts.ctypes.data, 66, 3, totals.ctypes.data)
+    for step in range(3):
+        assert totals[step].tobytes() == np.array(c_totals(lib, parts[step])).tobytes()
+        assert totals[step].tolist() == numpy_totals(parts[step])
 
 
 def test_fast_math_in_cc_does_not_change_the_totals(cache, monkeypatch):

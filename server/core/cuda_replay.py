@@ -18,11 +18,12 @@ rows, weights, the gather into learner_step's packed inputs), the backend's own
 proposed state copied over the current one, priorities written back, the tree updated) or,
 for a non-finite step, marks the run halted, after which the run's remaining steps change
 nothing; then it enqueues the copy back of the run's report (the steps committed, whether
-it halted, each step's loss, mean Q and gradient norm) and an event, and returns: the run
-is left running (:meth:`CudaReplay.start`), and finishing it waits for that event
-(``duelq_replay_wait``) and makes the counters follow the report.  The host fills each
-step's own values (draw, owner mark, β, epoch, barrier targets, Adam's step t)
-beforehand; C writes them into the three kernels' argument structs before each launch.
+it halted, each step's per-block partials, which the host adds up as for a batch step)
+and an event, and returns: the run is left running (:meth:`CudaReplay.start`), and
+finishing it waits for that event (``duelq_replay_wait``) and makes the counters follow
+the report.  The host fills each step's own values (draw, owner mark, β, epoch, barrier
+targets, Adam's step t) beforehand; C writes them into the three kernels' argument structs
+before each launch.
 No other host round trip: a step's decision is the device's, made as the host's
 :meth:`CudaBackend.propose` would.
 
@@ -93,13 +94,20 @@ def tree_blocks(rows: int, max_blocks: int) -> int:
     return min(max_blocks, max(32, rows // 16))
 
 
-def device_bytes(config: LearnerConfig) -> int:
+def report_bytes(max_blocks: int) -> int:
+    """Bytes of a run's report: the control words (halted, steps committed) as uint32, then
+    each step's per-block partials, [CALL_STEPS][5][G ≤ max_blocks] float32."""
+    return 8 + 4 * CALL_STEPS * 5 * max_blocks
+
+
+def device_bytes(config: LearnerConfig, max_blocks: int) -> int:
     """Device memory the buffer of ``config`` takes: :func:`replay_bytes`, the owner marks,
-    the gathered batch and the report."""
+    the gathered batch and the report (steps on up to ``max_blocks`` blocks)."""
     B, H = config.replay_batch_size, config.hidden_dim
     itemsize = STORAGE_DTYPES[config.replay_dtype].itemsize
     gathered = 4 * packed_layout(B, H, itemsize, True)[1]
-    return replay_bytes(config) + 8 * config.replay_capacity + gathered + 8 + 24 * CALL_STEPS
+    return (replay_bytes(config) + 8 * config.replay_capacity + gathered
+            + report_bytes(max_blocks))
 
 
 class CudaReplay(ReplayBuffer):
@@ -110,7 +118,7 @@ class CudaReplay(ReplayBuffer):
     def __init__(self, config: LearnerConfig, backend: CudaBackend):
         super().__init__(config, backend)
         C, H, B = config.replay_capacity, config.hidden_dim, config.replay_batch_size
-        needed = device_bytes(config)
+        needed = device_bytes(config, backend.max_blocks)
         free, total = cp.cuda.runtime.memGetInfo()
         if needed + HEADROOM > free:
             raise ReplayTooLarge(
@@ -144,7 +152,7 @@ class CudaReplay(ReplayBuffer):
                                       np.float32)        # learner_step's packed inputs
             self._arrivals = cp.zeros(backend.max_blocks, np.uint32)
             self._ticket = cp.zeros(1, np.uint32)
-            self._report = cp.zeros(8 + 24 * CALL_STEPS, np.uint8)  # control [2] u32, stats
+            self._report = cp.zeros(report_bytes(backend.max_blocks), np.uint8)
         stream.synchronize()
         n = self._report.nbytes
         self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
@@ -391,8 +399,17 @@ class CudaReplay(ReplayBuffer):
         b._step += committed
         c["draws"] += committed + halted
         c["sampled"] += committed * B
-        figures = host[8:].view(np.float64).reshape(CALL_STEPS, 3)
-        return committed, halted, figures[:committed].copy()
+        return committed, halted, self._figures(committed)
+
+    def _figures(self, committed: int) -> np.ndarray:
+        """[committed, 3] loss, mean Q and gradient norm of the last run's committed steps,
+        from the per-block partials of its report, added as a batch step's are
+        (server/core/native.c's duelq_block_totals, which :meth:`CudaBackend.propose` uses)."""
+        B, G = self.config.replay_batch_size, self._commit_args.step_blocks
+        totals = np.empty((committed, 5))   # of the partials [committed][5][G] float32
+        self.backend._native.block_totals(self._report_host.ctypes.data + 8, G, committed,
+                                          totals.ctypes.data)
+        return np.stack([totals[:, 2] / B, totals[:, 3] / B, np.sqrt(totals[:, 1])], axis=1)
 
     def _prepare(self, run: int, G: int) -> ReplayRunCall:
         """The C call that enqueues the next ``run`` steps (learner_step on G blocks), filled
@@ -410,6 +427,7 @@ class CudaReplay(ReplayBuffer):
             field_address(args, name) for name in ("epoch", "update_target", "step_size",
                                                    "sqrt_bc2"))
         call.commit_blocks, call.count = self._blocks(B), run
+        call.report_bytes = 8 + 4 * run * 5 * G   # the control words and the run's partials
         epoch = b._next_epoch(run)   # every target of the run at once: none wraps mid-run
         barrier = self._barriers(run * self._tree_barriers)
         for j in range(run):

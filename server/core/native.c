@@ -70,15 +70,16 @@ int duelq_copy(const struct duelq_upload *u, CUdeviceptr dst, const void *src, s
     return r;
 }
 
-/* parts [5][blocks] float32 → totals [5] float64: each row added in block order, row 1
- * (the blocks' slice norms) squared first: the finite flags, ‖g‖², the loss sum, the Q
- * sum, the inputs-valid flags (built with -ffp-contract=off: no fused multiply-adds). */
-void duelq_block_totals(const float *parts, int blocks, double *totals) {
-    for (int row = 0; row < 5; ++row) {
+/* parts [steps][5][blocks] float32 → totals [steps][5] float64: each row added in block
+ * order, row 1 (the blocks' slice norms) squared first: the finite flags, ‖g‖², the loss
+ * sum, the Q sum, the inputs-valid flags (built with -ffp-contract=off: no fused
+ * multiply-adds).  A batch step's are one step's; a replay run's, its committed steps'. */
+void duelq_block_totals(const float *parts, int blocks, int steps, double *totals) {
+    for (int row = 0; row < 5 * steps; ++row) {
         double sum = 0.0;
         for (int g = 0; g < blocks; ++g) {
             double v = parts[row * blocks + g];
-            sum += row == 1 ? v * v : v;
+            sum += row % 5 == 1 ? v * v : v;
         }
         totals[row] = sum;
     }
@@ -109,7 +110,7 @@ int duelq_step(struct duelq_step *s) {
     if (r == 0) r = memcpy_dtoh(s->out, s->out_device, s->out_bytes, s->stream);
     CUresult synced = stream_synchronize(s->stream);
     if (r == 0) r = synced;
-    if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, s->totals);
+    if (r == 0) duelq_block_totals(s->parts, (int)s->blocks, 1, s->totals);
     return r;
 }
 

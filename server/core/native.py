@@ -164,7 +164,8 @@ class Native:
         self.copy.argtypes = (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p,
                               ctypes.c_size_t)
         self.block_totals = keeps_gil.duelq_block_totals
-        self.block_totals.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        self.block_totals.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p)
         self.block_totals.restype = None
         self.stream_copy = keeps_gil.duelq_stream_copy   # (dst, src bytes, offset, n)
         self.stream_copy.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
