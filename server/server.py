@@ -158,6 +158,11 @@ class ServerOptions:
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be ≥ 1")
         need(0 <= self.front_processes <= 64, "front_processes", "must be in [0, 64]")
 
+    def limits(self) -> Limits:
+        """The limits the service enforces."""
+        return Limits(self.max_message_bytes, self.max_batch_size, self.max_streams,
+                      self.max_queue, self.receive_timeout_s)
+
     def bearer_token(self) -> str:
         """``token``, or the contents of ``token_file``; "" when auth is off."""
         if not self.token_file:
@@ -380,10 +385,7 @@ class LearnerServer:
     def __init__(self, options: ServerOptions, *,
                  interceptors: tuple[grpc.ServerInterceptor, ...] = ()):
         self.options = options
-        self.service = LearnerService(
-            Limits(options.max_message_bytes, options.max_batch_size, options.max_streams,
-                   options.max_queue, options.receive_timeout_s),
-            keys=key_guard(options))
+        self.service = LearnerService(options.limits(), keys=key_guard(options))
         self.metrics = Metrics(lambda: self.service._learner) if options.metrics_port else None
         inner: tuple[grpc.ServerInterceptor, ...] = (DecodeGuard(),) + tuple(interceptors)
         on_refuse = None

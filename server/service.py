@@ -319,13 +319,13 @@ class _Release:
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server enforces besides the learner's own checks."""
+    """What the server enforces besides the learner's own checks (ServerOptions.limits)."""
 
     max_message_bytes: int
     max_batch_size: int
     max_streams: int
-    max_queue: int = 64
-    receive_timeout_s: float = 30.0
+    max_queue: int
+    receive_timeout_s: float
 
 
 class LearnerService(pb_grpc.LearnerServicer):

@@ -664,10 +664,12 @@ def relayed_learners(config: LearnerConfig, start: LearnerState, pool_bytes: int
     """(plain, relayed, service, pool): two cuda learners from ``start``, the second behind a
     service, as the front process's learner is, with a page-locked pool of ``pool_bytes``
     for requests (the first steps decoded batches, to compare with)."""
-    from duelq.server.service import LearnerService, Limits
+    from duelq.server.server import ServerOptions
+    from duelq.server.service import LearnerService
     plain = Learner(config, backend=cuda_backend(config, start))
     relayed = Learner(config, backend=cuda_backend(config, start))
-    service = LearnerService(Limits(1 << 26, 1 << 16, 4))
+    service = LearnerService(ServerOptions(max_message_bytes=1 << 26, max_batch_size=1 << 16,
+                                           max_streams=4).limits())
     service.attach(relayed)
     pool = np.zeros(pool_bytes, np.uint8)
     relayed.backend.pin(pool)

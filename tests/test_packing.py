@@ -27,15 +27,15 @@ from duelq.server.core.learner import Learner
 from duelq.server.fronts.packing import DESCRIPTOR, STREAM_MIN_BYTES, Packer, read_packed
 from duelq.server.core.reference import ReferenceBackend
 from duelq.server.fronts.relay import BufferPool, RelayFront, RelayLearner
-from duelq.server.service import (EncodedTrainResponse, LearnerService, Limits, decode_batch,
-                                  refusal)
+from duelq.server.server import ServerOptions
+from duelq.server.service import EncodedTrainResponse, LearnerService, decode_batch, refusal
 from duelq.server.framing import parse_train_request
 from duelq.v1 import learner_pb2 as pb
 
 from conftest import SMALL, random_batch
 from helpers import RelayWork, replies
 
-LIMITS = Limits(max_message_bytes=1 << 24, max_batch_size=64, max_streams=4)
+LIMITS = ServerOptions(max_message_bytes=1 << 24, max_batch_size=64, max_streams=4).limits()
 WIRES = ("float32", "float16", "bfloat16")
 
 

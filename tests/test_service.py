@@ -29,7 +29,7 @@ from duelq.server.idempotency import AlreadyApplied, KeyGuard
 from duelq.server.core.learner import Learner, StepResult
 from duelq.server.server import LearnerServer, ServerOptions
 from duelq.server import framing as wire
-from duelq.server.service import (RECORDED_KINDS, EncodedTrainResponse, LearnerService, Limits,
+from duelq.server.service import (RECORDED_KINDS, EncodedTrainResponse, LearnerService,
                                   train_response)
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -570,8 +570,8 @@ def test_an_encoded_response_is_recorded_replayed_and_checkpointed_as_its_messag
 
 def test_a_repeated_key_answered_encoded_is_replayed_as_a_message(rng):
     learner = Learner(SMALL, backend="reference")
-    service = LearnerService(Limits(max_message_bytes=1 << 24, max_batch_size=64,
-                                    max_streams=4))
+    service = LearnerService(ServerOptions(max_message_bytes=1 << 24, max_batch_size=64,
+                                           max_streams=4).limits())
     service.attach(learner)
     data = encode_batch_wire(random_batch(rng, 8), actor_id="a", seq=1)
     answers = []
