@@ -269,9 +269,13 @@ def test_directory_without_checkpoints_gives_none(tmp_path):
     assert read_latest(tmp_path, CONFIG) is None
 
 
-def test_keep_must_be_positive(tmp_path, state):
+@pytest.mark.parametrize("keep", [0, -1, 2.0, True])
+def test_keep_must_be_a_positive_integer(tmp_path, state, keep):
     with pytest.raises(InvalidArgument, match="keep"):
-        save_checkpoint(tmp_path, state, CONFIG, keep=0)
+        save_checkpoint(tmp_path, state, CONFIG, keep=keep)
+    with pytest.raises(InvalidArgument, match="keep"):   # the writer: before any save
+        CheckpointWriter(tmp_path, CONFIG, lambda: (state, {}), keep=keep)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_policy_every_n_steps():

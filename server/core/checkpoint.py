@@ -101,6 +101,12 @@ class Checkpoint:
     config: LearnerConfig
 
 
+def _check_keep(keep: object) -> None:
+    """How many checkpoints to keep: an integer ≥ 1, else :class:`InvalidArgument`."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidArgument("keep", f"must be an integer ≥ 1, got {keep!r}")
+
+
 def save_checkpoint(directory: str | os.PathLike, state: LearnerState, config: LearnerConfig,
                     *, keep: int = 3, backend: str | None = None,
                     extras: Mapping[str, bytes] | None = None) -> Path:
@@ -112,8 +118,7 @@ def save_checkpoint(directory: str | os.PathLike, state: LearnerState, config: L
     and a state that does not fit ``config``.  Write failures raise
     :class:`CheckpointError`, leaving no file.
     """
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise InvalidArgument("keep", f"must be an integer ≥ 1, got {keep!r}")
+    _check_keep(keep)
     directory = Path(directory)
     path = directory / checkpoint_name(state.step)
     tensors = _state_tensors(state, config, path)
@@ -382,8 +387,7 @@ class CheckpointWriter:
     def __init__(self, directory: str | os.PathLike, config: LearnerConfig, snapshot: Snapshot,
                  *, keep: int = 3, every_steps: int = 0, every_seconds: float = 0.0,
                  step: int = 0, backend: str | None = None):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise InvalidArgument("keep", f"must be an integer ≥ 1, got {keep!r}")
+        _check_keep(keep)   # at construction, not at the first save
         self.directory, self.config, self.keep, self.backend = Path(directory), config, keep, backend
         self._snapshot = snapshot
         self._policy = CheckpointPolicy(every_steps, every_seconds, step=step,
