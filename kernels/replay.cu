@@ -179,6 +179,10 @@ __device__ void update_pair(int k, const int* rows, int start, int count, const 
     const long long tasks = whole ? nodes : count;
     for (long long t = warp; t < tasks; t += warps) {  // the same t in every lane of the warp
         const long long node = whole ? t : touched_row(rows, start, t) >> (5 * (k + 1));
+        // An insert's rows are consecutive: the first of those under one node does it.
+        if (!whole && rows == nullptr && t > 0 &&
+            touched_row(rows, start, t - 1) >> (5 * (k + 1)) == node)
+            continue;
         const long long child = node * FANOUT + lane;  // at level k
         double s = 0.0;                                // padding past the level: 0, +inf
         float m = __int_as_float(0x7f800000);
@@ -209,11 +213,15 @@ __device__ void update_pair(int k, const int* rows, int start, int count, const 
                                     positive_or_inf(v.z)), positive_or_inf(v.w));
                 }
             }
+            // Lane 0's order of the xor butterfly; constant bounds, so c stays in registers.
 #pragma unroll
-            for (int o = FANOUT / 2; o > 0; o >>= 1)  // lane 0's order of the xor butterfly
+            for (int i = 0; i < 16; ++i) c[i] = __dadd_rn(c[i], c[i + 16]);
 #pragma unroll
-                for (int i = 0; i < o; ++i) c[i] = __dadd_rn(c[i], c[i + o]);
-            s = c[0];
+            for (int i = 0; i < 8; ++i) c[i] = __dadd_rn(c[i], c[i + 8]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] = __dadd_rn(c[i], c[i + 4]);
+            c[0] = __dadd_rn(c[0], c[2]), c[1] = __dadd_rn(c[1], c[3]);
+            s = __dadd_rn(c[0], c[1]);
             sums[tree_offset[k] + child] = s;
             mins[tree_offset[k] + child] = m;
         }
@@ -229,7 +237,7 @@ __device__ void update_pair(int k, const int* rows, int start, int count, const 
     }
 }
 
-// Levels k, k + 1, … up to D by `warps` warps: pairs while two levels are left, then one.
+// Levels k and k + 1 by `warps` warps when both are at most `last`, else level k alone.
 __device__ void update_levels(int k, int last, const int* rows, int start, int count,
                               const float* leaves, double* sums, float* mins, long long warp,
                               long long warps) {

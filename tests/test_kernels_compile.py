@@ -98,6 +98,9 @@ def test_replay_variants_compile_without_spills(features, H, capacity, tmp_path)
     assert "warning" not in run.stderr.lower(), run.stderr
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
     assert spills and all(s == ("0", "0") for s in spills), run.stderr
+    # No local arrays either (the tree update's 32 child sums stay in registers).
+    frames = re.findall(r"(\d+) bytes stack frame", run.stderr)
+    assert frames and all(f == "0" for f in frames), run.stderr
 
 
 def test_replay_needs_its_capacity(tmp_path):

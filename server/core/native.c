@@ -140,7 +140,7 @@ struct duelq_replay_run {
     int count;
     void *report;          /* pinned host copy of the report */
     CUdeviceptr report_device;   /* replay_commit's [2] control words (zeroed first), then
-                                    each step's figures */
+                                    each step's per-block partials */
     size_t report_bytes;
     CUevent done;          /* recorded once the report is back */
 };
