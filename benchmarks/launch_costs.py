@@ -9,6 +9,8 @@ cooperative kernels that pass one grid barrier each (as replay_commit does), wit
 without programmatic dependent launch (PDL: the next grid may start while this one ends;
 it waits with griddepcontrol.wait), plain kernels likewise, and, for comparison, one
 cooperative kernel passing as many grid barriers (the barrier of kernels/dueling_common.cuh).
+The four chains of a figure are enqueued before the spin ends, so keep ``--launches`` within
+what a stream holds pending (a few thousand launches); needs an sm_90 GPU (griddepcontrol).
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 LOGS=${OUT:-$(mktemp -d)}
+CELL=${CELL:-stream}
+case $CELL in stream|replay) ;; *) echo "CELL must be stream or replay, not $CELL" >&2; exit 2;; esac
 . "$ROOT/scripts/device_env.sh"
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 PORT=50094
-CELL=${CELL:-stream}
 if [ "$CELL" = replay ]; then   # the cell profiled, and the one before it (bench.json's rows)
     WIRE=float32 BEFORE=stream/float16
     SERVE=(--replay-capacity 1000000 --replay-batch-size "${BATCH:-1024}" --replay-ratio 8)
@@ -57,7 +58,9 @@ until written; do
 done
 sleep 1.5   # the cell's start and warm-up
 schedstat() {   # each thread of the learner process: "tid cpu-ns runqueue-wait-ns"
-    for t in /proc/"$learner"/task/*; do echo "${t##*/} $(cut -d' ' -f1,2 "$t/schedstat")"; done
+    for t in /proc/"$learner"/task/*; do   # a thread gone meanwhile is left out
+        s=$(cut -d' ' -f1,2 "$t/schedstat" 2>/dev/null) && echo "${t##*/} $s"
+    done
 }
 schedstat >"$LOGS/sched-before.txt"
 "$SPY" record --pid "$learner" --threads --idle --nonblocking --rate 1000 \
