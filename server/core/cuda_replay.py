@@ -94,10 +94,11 @@ def tree_blocks(rows: int, max_blocks: int) -> int:
     return min(max_blocks, max(32, rows // 16))
 
 
-def report_bytes(max_blocks: int) -> int:
-    """Bytes of a run's report: the control words (halted, steps committed) as uint32, then
-    each step's per-block partials, [CALL_STEPS][5][G ≤ max_blocks] float32."""
-    return 8 + 4 * CALL_STEPS * 5 * max_blocks
+def report_bytes(steps: int, blocks: int) -> int:
+    """Bytes of the report of a run of ``steps`` on ``blocks`` blocks: the control words
+    (halted, steps committed) as uint32, then each step's per-block partials, [steps][5][G]
+    float32."""
+    return 8 + 4 * steps * 5 * blocks
 
 
 def device_bytes(config: LearnerConfig, max_blocks: int) -> int:
@@ -107,7 +108,7 @@ def device_bytes(config: LearnerConfig, max_blocks: int) -> int:
     itemsize = STORAGE_DTYPES[config.replay_dtype].itemsize
     gathered = 4 * packed_layout(B, H, itemsize, True)[1]
     return (replay_bytes(config) + 8 * config.replay_capacity + gathered
-            + report_bytes(max_blocks))
+            + report_bytes(CALL_STEPS, max_blocks))
 
 
 class CudaReplay(ReplayBuffer):
@@ -152,7 +153,7 @@ class CudaReplay(ReplayBuffer):
                                       np.float32)        # learner_step's packed inputs
             self._arrivals = cp.zeros(backend.max_blocks, np.uint32)
             self._ticket = cp.zeros(1, np.uint32)
-            self._report = cp.zeros(report_bytes(backend.max_blocks), np.uint8)
+            self._report = cp.zeros(report_bytes(CALL_STEPS, backend.max_blocks), np.uint8)
         stream.synchronize()
         n = self._report.nbytes
         self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
@@ -427,7 +428,7 @@ class CudaReplay(ReplayBuffer):
             field_address(args, name) for name in ("epoch", "update_target", "step_size",
                                                    "sqrt_bc2"))
         call.commit_blocks, call.count = self._blocks(B), run
-        call.report_bytes = 8 + 4 * run * 5 * G   # the control words and the run's partials
+        call.report_bytes = report_bytes(run, G)   # what comes back: this run's rows
         epoch = b._next_epoch(run)   # every target of the run at once: none wraps mid-run
         barrier = self._barriers(run * self._tree_barriers)
         for j in range(run):
