@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # gpu_check.sh — the one command for a GPU machine: the `gpu` tests, the device
-# benchmarks (the step, the replay step), then the Docker image's server model end to
-# end (`duelq bench --front-processes $FRONTS`, B = 1024, 8 actors: TrainStream, TrainStep,
-# and 8 actors inserting into the server-side replay at ratio 8; the byte-stream echo
-# served by as many processes as fronts, the ceiling), then a summary.
+# benchmarks (the step, the replay step, launch costs), then the Docker image's server
+# model end to end (`duelq bench --front-processes $FRONTS`, B = 1024, 8 actors:
+# TrainStream, TrainStep, and 8 actors inserting into the server-side replay at ratio 8;
+# the byte-stream echo served by as many processes as fronts, the ceiling), then a summary.
 #
 #   [FRONTS=8] [BACKEND=cuda] [E2E=0: skip the end-to-end part] \
 #       scripts/gpu_check.sh [pytest…]
@@ -37,6 +37,8 @@ timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/device_step.py 2>&1 | tee "$LOG
 BENCH_RC=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/replay_step.py 2>&1 | tee "$LOGS/replay_step.log"
 BENCH_RC=$(( BENCH_RC || PIPESTATUS[0] ))
+timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/launch_costs.py 2>&1 | tee "$LOGS/launch_costs.log"
+BENCH_RC=$(( BENCH_RC || PIPESTATUS[0] ))
 E2E_RC=0 FRONTS=${FRONTS:-8}
 if [ "${E2E:-1}" != 0 ]; then
     timeout 300 "$PY" -m duelq.apps.cli bench --backend "${BACKEND:-cuda}" \
@@ -53,6 +55,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | s
 echo "gpu tests (exit $TESTS_RC): $(tail -n 1 "$LOGS/gpu_tests.log")"
 sed -n '/^## duelq device benchmark/,$p' "$LOGS/device_step.log"
 sed -n '/^## replay step/,$p' "$LOGS/replay_step.log"
+sed -n '/^## kernel boundaries/,$p' "$LOGS/launch_costs.log"
 echo "benchmark exit $BENCH_RC"
 if [ "${E2E:-1}" != 0 ]; then
     echo "end to end, $FRONTS fronts, B = 1024, 8 actors (bench exit $E2E_RC):"
