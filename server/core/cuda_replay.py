@@ -64,9 +64,11 @@ def _packable(t: Transitions) -> Batch:
 
 
 def _ran(runs: list[tuple[int, bool, np.ndarray]]) -> ReplayRun:
-    """The :class:`ReplayRun` of device runs' (steps committed, halted, figures)."""
+    """The :class:`ReplayRun` of device runs' (steps committed, halted, figures: gradient
+    norm, loss, mean Q)."""
     columns = np.concatenate([f for _, _, f in runs]).reshape(-1, 3) if runs else np.zeros((0, 3))
-    return ReplayRun(columns.shape[0], bool(runs) and runs[-1][1], *columns.T.copy())
+    norms, losses, q_means = columns.T.copy()
+    return ReplayRun(columns.shape[0], bool(runs) and runs[-1][1], losses, q_means, norms)
 
 
 class _Check:
@@ -157,6 +159,9 @@ class CudaReplay(ReplayBuffer):
         stream.synchronize()
         n = self._report.nbytes
         self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
+        self._parts_address = self._report_host.ctypes.data + 8   # after the control words
+        self._totals = np.empty((CALL_STEPS, 5))   # a run's block totals (_figures)
+        self._totals_address = self._totals.ctypes.data
         self._done = cp.cuda.Event(disable_timing=True)   # a run's report is back
         seed = config.replay_seed
         self._sample_args = SampleArgs(   # a draw sets draw, mark and beta
@@ -391,8 +396,7 @@ class CudaReplay(ReplayBuffer):
 
     def _follow(self) -> tuple[int, bool, np.ndarray]:
         """The counters follow what the device did in the last run, as its report says.
-        Returns (steps committed, halted, their [committed, 3] loss, mean Q and gradient
-        norm)."""
+        Returns (steps committed, halted, their :meth:`_figures`)."""
         b, c, B = self.backend, self._counters, self.config.replay_batch_size
         host = self._report_host
         control = host[:8].view(np.uint32)
@@ -403,14 +407,17 @@ class CudaReplay(ReplayBuffer):
         return committed, halted, self._figures(committed)
 
     def _figures(self, committed: int) -> np.ndarray:
-        """[committed, 3] loss, mean Q and gradient norm of the last run's committed steps,
+        """[committed, 3] gradient norm, loss and mean Q of the last run's committed steps,
         from the per-block partials of its report, added as a batch step's are
-        (server/core/native.c's duelq_block_totals, which :meth:`CudaBackend.propose` uses)."""
+        (server/core/native.c's duelq_block_totals, which :meth:`CudaBackend.propose` uses).
+        Per run on the replay loop's thread, so into buffers kept for it."""
         B, G = self.config.replay_batch_size, self._commit_args.step_blocks
-        totals = np.empty((committed, 5))   # of the partials [committed][5][G] float32
-        self.backend._native.block_totals(self._report_host.ctypes.data + 8, G, committed,
-                                          totals.ctypes.data)
-        return np.stack([totals[:, 2] / B, totals[:, 3] / B, np.sqrt(totals[:, 1])], axis=1)
+        self.backend._native.block_totals(self._parts_address, G, committed,
+                                          self._totals_address)
+        figures = self._totals[:committed, 1:4].copy()   # ‖g‖², loss sum, Q sum
+        np.sqrt(figures[:, 0], out=figures[:, 0])
+        figures[:, 1:] /= B
+        return figures
 
     def _prepare(self, run: int, G: int) -> ReplayRunCall:
         """The C call that enqueues the next ``run`` steps (learner_step on G blocks), filled
