@@ -6,8 +6,9 @@ in a gRPC interceptor; with front processes, in the learner process's relay
 every train request from arrival to answer, counts applied steps and transitions (a
 replayed idempotent answer is not a step), records the loss, and counts refused rpcs by
 method and status code.  Values that live elsewhere (ISV entropy EMAs, checkpoint age,
-device memory, the replay buffer) are read when Prometheus scrapes, by a custom collector.  Each server has its own registry, so several
-servers in one process (tests) do not collide.
+device memory, the replay buffer) are read when Prometheus scrapes, by a custom
+collector.  Each server has its own registry, so several servers in one process (tests)
+do not collide.
 """
 
 from __future__ import annotations
