@@ -9,7 +9,7 @@
 # (scripts/device_wheels.sh carries it to a GPU image).
 #
 #   [CELL=stream|replay] [FRONTS=8] [ACTORS=8] [BATCH=1024] [PROFILE_S=5] [BACKEND=cuda] \
-#       scripts/profile_relay.sh
+#       [NATIVE=1: C frames too, sampled less often] scripts/profile_relay.sh
 #
 # The raw samples, the bench's JSON and the logs go to $OUT (a temporary folder without it).
 set -uo pipefail
@@ -63,8 +63,10 @@ schedstat() {   # each thread of the learner process: "tid cpu-ns runqueue-wait-
     done
 }
 schedstat >"$LOGS/sched-before.txt"
-"$SPY" record --pid "$learner" --threads --idle --nonblocking --rate 1000 \
-    --duration "${PROFILE_S:-5}" --format raw --output "$LOGS/relay.txt" >"$LOGS/py-spy.log" 2>&1
+# py-spy reads C frames only by pausing the process at each sample: fewer samples then.
+if [ -n "${NATIVE:-}" ]; then HOW=(--native --rate 200); else HOW=(--nonblocking --rate 1000); fi
+"$SPY" record --pid "$learner" --threads --idle "${HOW[@]}" --duration "${PROFILE_S:-5}" \
+    --format raw --output "$LOGS/relay.txt" >"$LOGS/py-spy.log" 2>&1
 schedstat >"$LOGS/sched-after.txt"
 wait $bench
 "$PY" - "$LOGS/relay.txt" "$LOGS/bench/bench.json" "$LOGS"/sched-{before,after}.txt \
@@ -79,13 +81,14 @@ print("learner process's busiest threads over the profile (from /proc/*/schedsta
                   for cpu, wait, tid in busy))
 rows = json.load(open(sys.argv[2]))["rows"]
 rate = next(r["steps_per_s"] for r in rows if r["kind"] == sys.argv[5] and r["wire"] == sys.argv[6])
-inclusive, total = collections.Counter(), 0
+inclusive, innermost, total = collections.Counter(), collections.Counter(), 0
 for line in open(sys.argv[1]):
     stack, count = line.rsplit(" ", 1)
     frames = stack.split(";")
     if not frames[0].endswith(": duelq-relay"):   # the relay thread's samples only
         continue
     total += int(count)
+    innermost[frames[-1].strip()] += int(count)
     for name in {f.split(" (")[0] for f in frames[1:]} - {"Thread.run", "Thread._bootstrap",
                                                           "Thread._bootstrap_inner"}:
         inclusive[name] += int(count)
@@ -93,5 +96,8 @@ print(f"relay thread, {sys.argv[5]} {sys.argv[6]}: {rate:.0f} learner steps/s, {
       f"µs a step; {total} samples")
 print("| function | share | µs a step |\n|---|---|---|")
 for name, count in inclusive.most_common(24):
+    print(f"| {name} | {count / total:.0%} | {count / total * 1e6 / rate:.1f} |")
+print("\n| innermost frame (its own time) | share | µs a step |\n|---|---|---|")
+for name, count in innermost.most_common(16):
     print(f"| {name} | {count / total:.0%} | {count / total * 1e6 / rate:.1f} |")
 TABLE
