@@ -514,9 +514,12 @@ class LearnerService(pb_grpc.LearnerServicer):
         """The replay steps replay_ratio asks for now, at most ``limit`` (the replay loop's
         turn); None when none are due.  NotServing once draining.  They start under the
         apply lock and run on without it: inserts go on meanwhile, behind them on the
-        device (the learner makes anything else wait for them)."""
+        device (the learner makes anything else wait for them).  The loop waits for the
+        lock without taking one of the clients' ``max_queue`` places."""
         learner = self.learner
-        with self._admit(None, change=pb.RequestKey()):   # the loop's steps have no key
+        with self._apply_lock:
+            with self._queue_lock:   # under the lock: no run starts once a drain has begun
+                self._refuse_if_draining(pb.RequestKey())   # the loop's steps have no key
             due = min(learner.replay_due(), limit)
             if due == 0:
                 return None

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from duelq.client import LearnerClient, encode_batch, errors
+from duelq.server.service import NotServing
 from duelq.wire.tensors import encode
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -62,6 +63,58 @@ def test_queue_past_max_queue_is_resource_exhausted(make_server):
     gate.opened.set()
     assert (running.result(10).step, queued.result(10).step) == (1, 2)
     assert s.TrainStep(keyed(rng, 3)).step == 3         # refused, so not applied: new again
+
+
+class CountingLock:
+    """A lock that counts the callers blocked in acquire."""
+
+    def __init__(self):
+        self._lock, self._meta, self.waiting = threading.Lock(), threading.Lock(), 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._meta:
+            self.waiting += blocking
+        try:
+            return self._lock.acquire(blocking, timeout)
+        finally:
+            with self._meta:
+                self.waiting -= blocking
+
+    def release(self) -> None:
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_the_replay_loop_takes_no_place_in_the_queue(make_server):
+    """The server's replay loop waiting for the learner leaves max_queue to the clients,
+    as with --front-processes (whose fronts count only the clients' calls); once a drain
+    has begun it starts no run."""
+    server = make_server(max_queue=1)
+    service, rng = server.service, np.random.default_rng(0)
+    lock = service._apply_lock = CountingLock()
+    results: list = []
+    loop = threading.Thread(target=lambda: results.append(service.train_due(4)))
+    s = pb_grpc.LearnerStub(grpc.insecure_channel(server.target))
+    lock.acquire()                                      # a request holds the learner
+    try:
+        loop.start()
+        wait_for(lambda: lock.waiting == 1)             # the loop waits
+        queued = s.TrainStep.future(keyed(rng, 1))
+        wait_for(lambda: lock.waiting == 2 or queued.done())
+        assert not queued.done(), queued.exception()    # the client's call waits too
+        assert service._queued == 1
+    finally:
+        lock.release()
+    assert queued.result(10).step == 1
+    loop.join(10)
+    assert results == [None]                            # the buffer is off: nothing due
+    service.drain()
+    with pytest.raises(NotServing):
+        service.train_due(4)
 
 
 def test_act_and_entropy_over_the_batch_limit_are_resource_exhausted(make_server):
