@@ -596,6 +596,14 @@ def test_state_from_bytes_refuses_what_does_not_fit():
     broken.actions[1] = N
     with pytest.raises(ValueError, match="actions"):
         ReplayState.from_bytes(broken.to_bytes(), lrn.config)
+    broken = lrn.replay.snapshot()
+    broken.leaves[0] = np.inf
+    with pytest.raises(ValueError, match="leaves"):
+        ReplayState.from_bytes(broken.to_bytes(), lrn.config)
+    for bad in (1e39, float("inf"), float("nan"), 0.0):   # 1e39: past float32's range
+        broken = lrn.replay.snapshot()
+        broken.max_priority = bad
+        assert "max_priority" in broken.problem(lrn.config)
 
 
 def test_a_resumed_buffer_continues_bit_identically():

@@ -353,10 +353,12 @@ class ReplayState:
         stored = np.arange(C) < self.size
         if not (np.all(self.priorities[stored] > 0) and np.all(self.leaves[stored] > 0)
                 and np.all(np.isfinite(self.priorities[stored]))
+                and np.all(np.isfinite(self.leaves[stored]))
                 and not self.priorities[~stored].any() and not self.leaves[~stored].any()):
             return "priorities and leaves must be positive and finite for stored rows, 0 after"
-        if not (np.isfinite(self.max_priority) and self.max_priority > 0):
-            return f"max_priority must be positive and finite, got {self.max_priority!r}"
+        if not 0 < self.max_priority <= FLT_MAX:   # the buffer keeps it as a float32
+            return (f"max_priority must be positive and finite as a float32, got "
+                    f"{self.max_priority!r}")
         if self.size:
             try:
                 validate_batch(self.batch(np.flatnonzero(stored)), config, C,
