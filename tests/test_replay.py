@@ -367,7 +367,9 @@ def test_a_run_left_running_is_finished_before_anything_but_an_insert():
     assert events == ["finish"]
     run = lrn.finish_replay(running)
     assert events == ["finish", ("wait", False)] and run.steps == 2
-    assert lrn.finish_replay(lrn.start_replay(1)).steps == 1 and lrn.step_count == 3
+    running = lrn.start_replay(1)
+    assert lrn.step_count == 3 and events[-1] == "finish"   # the count once it has run
+    assert lrn.finish_replay(running).steps == 1 and events[-1] == ("wait", False)
 
 
 def test_a_run_whose_finish_fails_raises_at_every_finish():

@@ -227,7 +227,9 @@ class Learner:
 
     @property
     def step_count(self) -> int:
-        return self.backend.step
+        """Steps applied, a run left running included (it is finished first)."""
+        with self._settled:
+            return self.backend.step
 
     def prepare(self, batch: Batch) -> Prepared:
         """Validate ``batch`` and start its copy to the device; no lock is taken."""
