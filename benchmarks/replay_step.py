@@ -8,8 +8,8 @@ C call of server/core/cuda_replay.py, not waited for); the plain step is learner
 alone on the same gathered batch; "draw alone" and "commit alone" time replay_sample and
 replay_commit by themselves, the commit also on other block counts than tree_blocks picks.
 All are timed as benchmarks/device_step.py times a step (the queue filled behind a spin
-kernel, CUDA events around K calls, the median over reps). "run" is the wall
-time per step of CudaReplay.train(64) from the host, syncs included. The buffer holds
+kernel, CUDA events around K calls, the median over reps). "host run" is the wall time
+per step of Learner.train_replay(512) from the host, syncs included. The buffer holds
 ``--capacity`` random float32 rows of H = 128 (N = 11) with random priorities; each size's
 first run is checked to apply every step before anything is timed. Prints a table; writes
 $OUT/replay_step.json when OUT is set.

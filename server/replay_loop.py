@@ -63,6 +63,6 @@ class ReplayLoop:
                     break
                 self.steps += run.steps
                 if run.refused:   # wait for new rows rather than draw again at once
-                    log.warning("a replay step would have been non-finite and was refused "
-                                "(the state is unchanged); waiting for new rows")
+                    log.warning("a replay step was refused (the state is unchanged); "
+                                "trying again at the next insert, or in a second")
                     break

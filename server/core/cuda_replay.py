@@ -1,8 +1,8 @@
 """The replay buffer on the device (kernels/replay.cu) beside a :class:`CudaBackend`.
 
-Everything is allocated at start: the rows (features in the buffer's dtype, 16-bit ones as
-their bits), priorities, leaves, the tree's sums and mins, the write-back's owner marks, the
-gathered batch and a run's report.  A buffer that does not fit the device's free memory is
+Allocated at start: the rows (features in the buffer's dtype, 16-bit ones as their bits),
+priorities, leaves, the tree's sums and mins, the write-back's owner marks, the gathered
+batch and a run's report; each upload buffer's check word at its first insert.  A buffer that does not fit the device's free memory is
 refused before any of it is allocated (:class:`ReplayTooLarge`).  An insert's rows reach
 the device in one of the backend's upload buffers, copied before the insert takes the
 learner's lock and checked there by ``replay_check`` on the upload stream, so the host
@@ -133,7 +133,8 @@ class CudaReplay(ReplayBuffer):
         self._kind = FEATURE_KINDS[self._dtype]
         self._levels = tree_levels(C)
         self._barrier = 1                    # the next grid barrier's target
-        self._mark = 0                       # the last draw's owner mark (draws so far)
+        self._mark = 0                       # the last owner mark given: one per draw
+                                             # enqueued, so it only grows
         self._compile()
         bits = np.uint16 if self._dtype.itemsize == 2 else np.float32
         stream = backend.stream
@@ -410,7 +411,7 @@ class CudaReplay(ReplayBuffer):
         """[committed, 3] gradient norm, loss and mean Q of the last run's committed steps,
         from the per-block partials of its report, added as a batch step's are
         (server/core/native.c's duelq_block_totals, which :meth:`CudaBackend.propose` uses).
-        Per run on the replay loop's thread, so into buffers kept for it."""
+        Once per run (on the replay loop's thread, mostly), so into buffers kept for it."""
         B, G = self.config.replay_batch_size, self._commit_args.step_blocks
         self.backend._native.block_totals(self._parts_address, G, committed,
                                           self._totals_address)

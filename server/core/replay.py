@@ -432,8 +432,8 @@ class ReplayRun:
     Read-only by convention; not frozen, being built per request (docs/benchmarks.md)."""
 
     steps: int                 # steps applied
-    refused: bool              # the next step would have been non-finite: refused, its draw
-                               # consumed, and the run stopped there
+    refused: bool              # the next step was refused (non-finite, or an input that
+                               # fails its check): its draw consumed, the run stopped there
     losses: np.ndarray         # [steps] float64, each applied step's mean loss
     q_taken_means: np.ndarray  # [steps] float64
     grad_norms: np.ndarray     # [steps] float64, before clipping
@@ -500,8 +500,8 @@ class ReplayBuffer(abc.ABC):
 
     def checked(self, upload: Upload) -> bool:
         """(With :attr:`checks_values`.)  Whether every value of the rows that ``upload``
-        carries passed the device's check, waiting for it; if not, the host checks them
-        and names the culprit."""
+        carries passed the device's check, waiting for it (on False the learner checks them
+        on the host, to name the field)."""
         raise NotImplementedError
 
     @abc.abstractmethod
