@@ -2,8 +2,9 @@
 
 Allocated at start: the rows (features in the buffer's dtype, 16-bit ones as their bits),
 priorities, leaves, the tree's sums and mins, the write-back's owner marks, the gathered
-batch and a run's report; each upload buffer's check word at its first insert.  A buffer that does not fit the device's free memory is
-refused before any of it is allocated (:class:`ReplayTooLarge`).  An insert's rows reach
+batch and a run's report; each upload buffer's check word at its first insert.  A buffer
+that does not fit the device's free memory is refused before any of it is allocated
+(:class:`ReplayTooLarge`).  An insert's rows reach
 the device in one of the backend's upload buffers, copied before the insert takes the
 learner's lock and checked there by ``replay_check`` on the upload stream, so the host
 never reads them (:meth:`CudaReplay.upload`); with no buffer free, the host checks them
@@ -48,8 +49,8 @@ from duelq.server.core.errors import ReplayTooLarge
 from duelq.server.core.native import (CheckArgs, CommitArgs, InsertArgs, ReplayRunCall,
                                       ReplayStepCall, SampleArgs, field_address)
 from duelq.server.core.replay import (STORAGE_DTYPES, ReplayBuffer, ReplayRun, ReplayState,
-                                      RunningReplay, SumTree, beta_at, replay_bytes,
-                                      tree_layout, tree_levels)
+                                      RunningReplay, SumTree, after_insert, beta_at,
+                                      replay_bytes, tree_layout, tree_levels)
 from duelq.wire.types import Batch, Transitions
 
 CALL_STEPS = 64          # steps of one C call, between two syncs (rows of the report)
@@ -176,7 +177,7 @@ class CudaReplay(ReplayBuffer):
         self._commit_args = CommitArgs()     # filled in once a run (_commit_for)
         self._commit_params = _params(self._commit_args)
         sample, commit = self._sample_args, self._commit_args
-        self._steps = (ReplayStepCall * CALL_STEPS)()   # each step's own values
+        self._step_values = (ReplayStepCall * CALL_STEPS)()   # each step's own values
         self._call = ReplayRunCall(   # a run sets the step kernel's, the blocks and count
             stream=stream.ptr, sample=self._sample.kernel.ptr, commit=self._commit.kernel.ptr,
             sample_blocks=-(-B // (THREADS // 32)), threads=THREADS,
@@ -186,7 +187,7 @@ class CudaReplay(ReplayBuffer):
             sample_beta=field_address(sample, "beta"), commit_mark=field_address(commit, "mark"),
             commit_barrier=field_address(commit, "barrier"),
             commit_stats_row=field_address(commit, "stats_row"),
-            steps=ctypes.addressof(self._steps), report=self._report_host.ctypes.data,
+            steps=ctypes.addressof(self._step_values), report=self._report_host.ctypes.data,
             report_device=self._report.data.ptr, report_bytes=self._report.nbytes,
             done=self._done.ptr)
         self._checks: dict[int, _Check] = {}   # by upload buffer (one upload uses it at a time)
@@ -311,9 +312,8 @@ class CudaReplay(ReplayBuffer):
             if upload is not None:   # else its close waits for the copy
                 upload.consumed = waited
             if launched:   # the rows go in: the counters follow
-                C = self.config.replay_capacity
-                c["cursor"], c["size"], c["inserted"] = (
-                    (c["cursor"] + n) % C, min(c["size"] + n, C), c["inserted"] + n)
+                c["cursor"], c["size"], c["inserted"] = after_insert(
+                    c["cursor"], c["size"], c["inserted"], n, self.config.replay_capacity)
 
     def _launch_insert(self, t: Transitions, staged: int) -> None:
         """replay_insert of ``t``'s rows, packed at device address ``staged``, at the cursor."""
@@ -440,7 +440,7 @@ class CudaReplay(ReplayBuffer):
         epoch = b._next_epoch(run)   # every target of the run at once: none wraps mid-run
         barrier = self._barriers(run * self._tree_barriers)
         for j in range(run):
-            s, draw = self._steps[j], c["draws"] + j
+            s, draw = self._step_values[j], c["draws"] + j
             self._mark += 1
             s.draw, s.mark, s.beta = draw, self._mark, beta_at(config, draw)
             s.update_target, s.step_size, s.sqrt_bc2 = b.step_scalars(b._step + j + 1)

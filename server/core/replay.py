@@ -97,6 +97,13 @@ def uniforms(seed: int, draw: int, count: int) -> np.ndarray:
     return (high * 67108864.0 + low) / 9007199254740992.0   # exact: (a·2^26 + b) / 2^53
 
 
+def after_insert(cursor: int, size: int, inserted: int, n: int, capacity: int
+                 ) -> tuple[int, int, int]:
+    """(cursor, size, inserted) once n rows went in at the cursor: a ring, so a full buffer
+    overwrites its oldest rows."""
+    return (cursor + n) % capacity, min(size + n, capacity), inserted + n
+
+
 def beta_at(config: LearnerConfig, draw: int) -> float:
     """β of draw ``draw``: replay_beta, annealed linearly to 1 over replay_beta_steps draws."""
     beta, steps = config.replay_beta, config.replay_beta_steps
@@ -581,7 +588,7 @@ class ReferenceReplay(ReplayBuffer):
             getattr(s, name)[rows] = getattr(t, name)
         s.priorities[rows] = priorities
         s.leaves[rows] = self.tree.leaves[rows] = leaf_values(priorities, self.config.replay_alpha)
-        s.cursor, s.size, s.inserted = (s.cursor + n) % C, min(s.size + n, C), s.inserted + n
+        s.cursor, s.size, s.inserted = after_insert(s.cursor, s.size, s.inserted, n, C)
         self.tree.update(rows)
 
     def draw(self) -> Draw:
