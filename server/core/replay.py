@@ -112,17 +112,21 @@ def beta_at(config: LearnerConfig, draw: int) -> float:
 
 # ---- the tree ------------------------------------------------------------------------
 
+def level_nodes(capacity: int, k: int) -> int:
+    """Nodes of tree level k (0: the leaves, one per row): ceil(C / 32^k)."""
+    return -(-capacity // FANOUT ** k)
+
+
 def tree_levels(capacity: int) -> list[int]:
-    """Entries of each level, leaves first: level k below the root holds its ceil(C / 32^k)
-    nodes padded to 32 · ceil(C / 32^(k+1)), the children of the level above; the root
-    level holds 1."""
-    sizes, nodes = [], capacity
+    """Entries of each level, leaves first: level k below the root holds its
+    :func:`level_nodes` padded to 32 times the level above's, the children of that level;
+    the root level holds 1."""
+    sizes, k = [], 1
     while True:
-        parents = -(-nodes // FANOUT)
-        sizes.append(parents * FANOUT)
-        nodes = parents
-        if parents == 1:
+        sizes.append(level_nodes(capacity, k) * FANOUT)
+        if level_nodes(capacity, k) == 1:
             return sizes + [1]
+        k += 1
 
 
 def tree_layout(capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,8 +136,7 @@ def tree_layout(capacity: int) -> tuple[np.ndarray, np.ndarray]:
     index 0 holds 0 and C.  [D + 1] int64 each."""
     entries = tree_levels(capacity)[1:]                                    # levels 1..D
     offsets = np.concatenate([[0], np.cumsum([0] + entries[:-1])]).astype(np.int64)
-    nodes = np.array([capacity] + [-(-capacity // FANOUT ** k)
-                                   for k in range(1, len(entries) + 1)], np.int64)
+    nodes = np.array([level_nodes(capacity, k) for k in range(len(entries) + 1)], np.int64)
     return offsets, nodes
 
 
@@ -214,7 +217,7 @@ class SumTree:
     def rebuild(self) -> None:
         """Recompute every node from the leaves."""
         for k in range(self.depth):
-            self._recompute(k, np.arange(-(-self.capacity // FANOUT ** (k + 1))))
+            self._recompute(k, np.arange(level_nodes(self.capacity, k + 1)))
 
     def _recompute(self, k: int, nodes: np.ndarray) -> None:
         """Nodes ``nodes`` of level k + 1 from their children at level k."""
