@@ -76,8 +76,8 @@ RECORDED_KINDS = {"TrainResponse": pb.TrainResponse,
 MAX_REPLAY_STEPS = 4096
 #: The checkpoint extra that holds the replay buffer (``--checkpoint-replay``).
 REPLAY_BUFFER_EXTRA = "replay_buffer"
-#: The checkpoint extra that holds the idempotency records; its name is part of the
-#: checkpoint format.
+#: The checkpoint extra that holds the idempotency records (its name, older than the
+#: replay buffer, is part of the checkpoint format).
 KEY_RECORDS_EXTRA = "replay"
 
 
@@ -431,15 +431,15 @@ class LearnerService(pb_grpc.LearnerServicer):
     def _keyed(self, key: pb.RequestKey, kind: type, apply: Callable[[], Any],
                context: grpc.ServicerContext | None) -> Any:
         """Run a state change once per key (already checked by the caller, before its own
-        work): replay the recorded response on a repeat."""
+        work): a repeat gets the recorded response, marked ``replayed``."""
         actor_id = key.actor_id
         with self._admit(context, change=key):
             if actor_id:
                 recorded = self._keys.lookup(actor_id, key.seq, kind)
                 if recorded is not None:   # a message, or an EncodedTrainResponse
-                    replay = kind.FromString(recorded.SerializeToString())
-                    replay.replayed = True
-                    return replay
+                    again = kind.FromString(recorded.SerializeToString())
+                    again.replayed = True
+                    return again
             response = apply()
             if actor_id:
                 self._keys.record(actor_id, key.seq, response)
