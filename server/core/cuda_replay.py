@@ -151,16 +151,16 @@ class CudaReplay(ReplayBuffer):
             self._sums = cp.zeros(sum(self._levels[1:]), np.float64)          # levels 1..D
             self._mins = cp.full(sum(self._levels[1:]), np.inf, np.float32)
             self._owner = cp.zeros(C, np.uint64)         # [C] marks of the last draws
-            self._max_priority = cp.ones(1, np.float32)
+            self._max_priority = cp.ones(1, np.float32)  # [1] the largest priority given
             self._drawn = cp.zeros(B, np.int32)          # [B] rows of the last draw
             self._gathered = cp.zeros(packed_layout(B, H, self._dtype.itemsize, True)[1],
                                       np.float32)        # learner_step's packed inputs
-            self._arrivals = cp.zeros(backend.max_blocks, np.uint32)
-            self._ticket = cp.zeros(1, np.uint32)
+            self._arrivals = cp.zeros(backend.max_blocks, np.uint32)   # [G] barrier flags
+            self._ticket = cp.zeros(1, np.uint32)        # [1] update_tree's blocks done
             self._report = cp.zeros(report_bytes(CALL_STEPS, backend.max_blocks), np.uint8)
         stream.synchronize()
         n = self._report.nbytes
-        self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)
+        self._report_host = np.frombuffer(cp.cuda.alloc_pinned_memory(n), np.uint8, n)  # pinned
         self._parts_address = self._report_host.ctypes.data + 8   # after the control words
         self._totals = np.empty((CALL_STEPS, 5))   # a run's block totals (_figures)
         self._totals_address = self._totals.ctypes.data
