@@ -26,7 +26,8 @@ test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[server,demo,test]'
 	$(BIN)/python -m pytest
 
-# On a GPU machine: the `gpu` tests and the device benchmark, with a table at the end.
+# On a GPU machine: the `gpu` tests, the device benchmarks and the end-to-end bench, with a
+# summary at the end (scripts/gpu_check.sh).
 gpu-check:
 	bash scripts/gpu_check.sh
 

@@ -73,15 +73,15 @@ class ServerOptions:
     port: int = 50051
     """TCP port; 0 picks a free one."""
     max_message_bytes: int = 64 << 20
-    """Largest request or response message, bytes."""
+    """Largest request or response message, bytes (≥ 65536)."""
     max_batch_size: int = 16384
     """Largest B of a train or act request, M of an entropy request."""
     max_streams: int = 32
     """TrainStreams and InsertStreams open at once, server-wide; past it RESOURCE_EXHAUSTED at
     open."""
     max_rpcs: int = 64
-    """Rpcs (streams included, health checks not) running at once, server-wide; past it
-    RESOURCE_EXHAUSTED."""
+    """Rpcs (streams included, health checks not) running at once, server-wide, more than
+    ``max_streams``; past it RESOURCE_EXHAUSTED."""
     recorded_responses: int = 1024
     """Recorded responses kept for idempotent retries (besides each actor's latest); a retry
     whose response is gone gets ALREADY_EXISTS."""

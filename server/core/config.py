@@ -25,9 +25,9 @@ class LearnerConfig:
     """
 
     hidden_dim: int = 128
-    """H, feature width of ``h_t``/``h_tp1`` (count, ≥ 1)."""
+    """H, feature width of ``h_t``/``h_tp1`` (count, 1 to 4096)."""
     n_actions: int = 11
-    """N, number of discrete actions (count, ≥ 2)."""
+    """N, number of discrete actions (count, 2 to 1024)."""
     optimizer: str = "adam"
     """``"adam"`` (PyTorch's formula, bias-corrected) or ``"sgd"`` (plain)."""
     lr: float = 1e-4
@@ -49,7 +49,8 @@ class LearnerConfig:
     target_update_period: int = 1
     """Update θ⁻ every this many steps (steps, ≥ 1)."""
     priority_eps: float = 1e-6
-    """ε in the returned PER priorities |δ| + ε (TD-error units, ≥ 0)."""
+    """ε in the returned PER priorities |δ| + ε (TD-error units, ≥ 0; > 0 with the replay
+    buffer on, or a row of zero priority would never be drawn again)."""
     isv_size: int = 1024
     """Number of float32 slots in the ISV bus (count, ≥ 1)."""
     isv_slots: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_ISV_SLOTS))
