@@ -101,32 +101,43 @@ def same_shape(handler: grpc.RpcMethodHandler, behaviour, request_deserializer, 
 
 
 class Watchdog:
-    """Cancels each call whose awaited request has not come ``timeout_s`` after :meth:`arm`,
-    unless :meth:`disarm` came first.  One thread for all calls; every wait is as long, so
-    the oldest armed is the next due, and arming and disarming cost O(1) and wake no
-    thread."""
+    """Cancels each call whose awaited request has not come (or whose answer has not been
+    taken) ``timeout_s`` after :meth:`arm`, unless :meth:`disarm` came first.  One thread
+    for all calls; every wait is as long, so the oldest armed is the next due, and arming
+    and disarming cost O(1) and wake no thread."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
-        self._armed: OrderedDict[int, tuple[float, grpc.ServicerContext, str]] = OrderedDict()
+        self._armed: OrderedDict[int, tuple[float, grpc.ServicerContext, str, str]] = (
+            OrderedDict())
         self._ids = itertools.count()
         self._changed = threading.Condition(threading.Lock())   # not an RLock: cheaper per call
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def arm(self, context: grpc.ServicerContext, method: str) -> int:
+    def arm(self, context: grpc.ServicerContext, method: str, awaited: str = "request") -> int:
         key = next(self._ids)
         with self._changed:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="duelq-watchdog",
                                                 daemon=True)
                 self._thread.start()
-            self._armed[key] = (time.monotonic() + self.timeout_s, context, method)
+            self._armed[key] = (time.monotonic() + self.timeout_s, context, method, awaited)
         return key
 
     def disarm(self, key: int) -> None:
         with self._changed:
             self._armed.pop(key, None)
+
+    def send(self, answer, context: grpc.ServicerContext, method: str) -> Iterator:
+        """Yield ``answer`` to grpc, which asks for the next one once this one is sent: a
+        client that leaves a stream's answers unread (HTTP/2 flow control then holds the
+        send) has its call cancelled ``timeout_s`` later, and its places come back."""
+        key = self.arm(context, method, "read of its answer")
+        try:
+            yield answer
+        finally:
+            self.disarm(key)
 
     def close(self) -> None:
         with self._changed:
@@ -143,14 +154,14 @@ class Watchdog:
                 if not self._armed:
                     self._changed.wait(self.timeout_s)
                     continue
-                key, (due, context, method) = next(iter(self._armed.items()))
+                key, (due, context, method, awaited) = next(iter(self._armed.items()))
                 left = due - time.monotonic()
                 if left > 0:
                     self._changed.wait(left)
                     continue
                 del self._armed[key]
-            log.info("%s from %s: no request within %g s: cancelled", method, context.peer(),
-                     self.timeout_s)
+            log.info("%s from %s: no %s within %g s: cancelled", method, context.peer(),
+                     awaited, self.timeout_s)
             context.cancel()
 
 

@@ -95,9 +95,9 @@ class ServerOptions:
     """Rpcs waiting for the learner at once, server-wide (a TrainStream counts once); past
     it RESOURCE_EXHAUSTED."""
     receive_timeout_s: float = 30.0
-    """Seconds a call may take to send a request the server waits for: past it a unary
-    call is cancelled, a TrainStream or InsertStream with no request in flight ends
-    UNAVAILABLE."""
+    """Seconds a call may take to send a request the server waits for, or to read an answer
+    the server has sent: past it a unary call is cancelled, a TrainStream or InsertStream
+    with no request in flight ends UNAVAILABLE, one whose answer goes unread is cancelled."""
     token: str = ""
     """If set, every rpc but health (reflection too) needs metadata ``authorization: Bearer
     <token>``."""
@@ -513,6 +513,7 @@ class LearnerServer:
         finally:
             stopped.wait()
             self.gate.close()
+            self.service.close()
             if self.metrics is not None:
                 self.metrics.close()
             log.info("stopped")

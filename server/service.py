@@ -49,7 +49,7 @@ from duelq.server.core.replay import ReplayRun
 from duelq.server.core.state import LearnerState
 from duelq.server.framing import (insert_request_deserializer, train_request_deserializer,
                                   undecodable)
-from duelq.server.gate import END, FAILED, StreamReader
+from duelq.server.gate import END, FAILED, StreamReader, Watchdog
 from duelq.server.idempotency import AlreadyApplied, KeyGuard
 from duelq.v1 import learner_pb2 as pb
 from duelq.v1 import learner_pb2_grpc as pb_grpc
@@ -343,6 +343,7 @@ class LearnerService(pb_grpc.LearnerServicer):
         self._queued = 0                     # requests admitted, waiting for _apply_lock
         self._draining = False
         self._streams = threading.BoundedSemaphore(limits.max_streams)
+        self._answers = Watchdog(limits.receive_timeout_s)   # streams' unread answers
         self.checkpoint_replay = False
         """Checkpoints carry the replay buffer (``--checkpoint-replay``)."""
         self.on_insert: Callable[[], None] | None = None
@@ -367,6 +368,10 @@ class LearnerService(pb_grpc.LearnerServicer):
         if buffer is not None:
             extras[REPLAY_BUFFER_EXTRA] = buffer.to_bytes()
         return state, extras
+
+    def close(self) -> None:
+        """Stop the watch over streams' answers (the server has stopped)."""
+        self._answers.close()
 
     def drain(self) -> None:
         """Refuse new state changes (UNAVAILABLE); return once the admitted ones are done."""
@@ -593,7 +598,8 @@ class LearnerService(pb_grpc.LearnerServicer):
                 answer: Callable[[Any, grpc.ServicerContext], Any]) -> Iterator:
         """A stream's requests answered in order by ``answer``, holding one of
         ``max_streams`` places; with no request for ``receive_timeout_s`` and none being
-        answered, the stream ends UNAVAILABLE (StreamIdle)."""
+        answered, the stream ends UNAVAILABLE (StreamIdle); with an answer left unread as
+        long, it is cancelled."""
         if not self._streams.acquire(blocking=False):
             raise ResourceExhausted(too_many_streams(self.limits.max_streams))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -609,7 +615,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                 if kind == FAILED:
                     raise item
                 reader.done()   # the next request is read and parsed while this one is applied
-                yield answer(item, context)
+                yield from self._answers.send(answer(item, context), context, "a stream")
         finally:
             reader.close()
             self._streams.release()

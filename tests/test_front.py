@@ -1104,7 +1104,7 @@ def test_a_stream_is_not_idle_while_a_request_sent_during_the_wait_is_at_the_lea
     """The reader sends a request while the handler waits out its idle deadline: the
     handler then waits for the answer instead of ending the stream as idle."""
     from duelq.server.fronts.relay import REPLY
-    from duelq.server.gate import StreamReader
+    from duelq.server.gate import StreamReader, Watchdog
     waiting, sent, answering = threading.Event(), threading.Event(), threading.Event()
 
     class Inbox(queue.SimpleQueue):
@@ -1129,8 +1129,10 @@ def test_a_stream_is_not_idle_while_a_request_sent_during_the_wait_is_at_the_lea
 
     stream = types.SimpleNamespace(inbox=inbox)
     refused = []
+    watchdog = Watchdog(30.0)
     front = types.SimpleNamespace(options=types.SimpleNamespace(receive_timeout_s=0.05),
-                                  _refuse=lambda context, method, exc: refused.append(exc))
+                                  _refuse=lambda context, method, exc: refused.append(exc),
+                                  gate=types.SimpleNamespace(watchdog=watchdog))
     reader = StreamReader(requests(), inbox, ahead=4, handle=submit)
     answers = FrontServer._relay_stream(front, "TrainStream", stream, reader, None)
     threading.Thread(target=lambda: answering.wait(30) and inbox.put(
@@ -1139,3 +1141,4 @@ def test_a_stream_is_not_idle_while_a_request_sent_during_the_wait_is_at_the_lea
         assert next(answers) == b"answer" and refused == []
     finally:
         reader.close()
+        watchdog.close()

@@ -99,6 +99,13 @@ def learner_held(server, *, applied: bool = True):
         channel.close()
 
 
+def open_streams(server) -> int:
+    """Stream places held, server-wide."""
+    if isinstance(server, FrontServer):
+        return server._counts.total("streams")
+    return MAX_STREAMS - server.service._streams._value
+
+
 def refusals(futures: list, want: int) -> list[tuple[grpc.StatusCode, str]]:
     """(code, details) of the first ``want`` of ``futures`` to end, waiting 30 s at most
     (the others wait for the held learner)."""
@@ -252,7 +259,8 @@ def test_max_queue_is_server_wide_and_refused_at_once(served):
 def test_a_stream_whose_answers_are_not_read_is_not_served_past_its_window(served):
     """A client streams 300 requests and reads none of its answers (8 KiB each, into an
     HTTP/2 window of 64 KiB): the server stops reading it after a few, as HTTP/2 flow
-    control stops it, while an actor beside it trains 100 steps."""
+    control stops it, while an actor beside it trains 100 steps; receive_timeout_s after
+    an answer went unread the server cancels it, and every stream place is free again."""
     flood_channel = grpc.insecure_channel(served.target, options=[
         ("grpc.http2.bdp_probe", 0), ("grpc.use_local_subchannel_pool", 1)])
     big = step_request(rows=1024).SerializeToString()
@@ -270,6 +278,20 @@ def test_a_stream_whose_answers_are_not_read_is_not_served_past_its_window(serve
                 actor.TrainStep(step_request(seed=i), metadata=GOOD, timeout=30)
         flooded = steps(served) - before - 100
         assert flooded <= 48, f"{flooded} requests of a stream whose answers nobody reads"
+        wait_for(lambda: open_streams(served) == 0, 30)   # cancelled by the server
+        channels, done = connections(served, MAX_STREAMS), threading.Event()
+
+        def one_then_wait():   # a stream that stays open, holding its place, until done
+            yield step_request()
+            done.wait(30)
+        try:
+            streams = [pb_grpc.LearnerStub(c).TrainStream(one_then_wait(), metadata=GOOD,
+                                                          timeout=30) for c in channels]
+            assert all(next(stream).step > 0 for stream in streams)
+        finally:
+            done.set()
+            for channel in channels:
+                channel.close()
     finally:
         flooding.cancel()
         flood_channel.close()

@@ -518,8 +518,9 @@ class FrontServer:
                     continue
                 self._refuse(context, method, StreamIdle(stream_idle(timeout)))
             if kind == REPLY:
-                answered += 1
-                yield _reply_payload(context, *item)   # a refusal ends the stream here
+                answered += 1   # a refusal ends the stream at _reply_payload
+                yield from self.gate.watchdog.send(_reply_payload(context, *item), context,
+                                                   method)
                 reader.done()
             elif kind == STOPPED:
                 reading, unsent = False, item
