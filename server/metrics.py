@@ -71,9 +71,10 @@ class Metrics:
             self._http.server_close()
             self._http = None
 
-    def count_refusal(self, method: str, code: str) -> None:
-        """Count an rpc refused before its handler ran (the gate's, or a front's refusal)."""
-        self.refused.labels(method, code).inc()
+    def count_refusal(self, method: str, code: str, count: int = 1) -> None:
+        """Count ``count`` rpcs refused before their handler ran (the gate's, or a front's
+        refusals)."""
+        self.refused.labels(method, code).inc(count)
 
     def observe_answer(self, response, started: float, answered: float | None = None) -> None:
         """Account one train answer given ``answered`` (default: now) − ``started`` after its

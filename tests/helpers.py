@@ -106,7 +106,7 @@ class RelayWork:
     def stream_closed(self):
         self.closed += 1
 
-    def front_refused(self, method, code):
+    def front_refused(self, method, code, count=1):
         pass
 
 

@@ -9,6 +9,7 @@ it.  Either way a call is held by the learner, never by a clock, so the counts a
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -254,6 +255,21 @@ def test_max_queue_is_server_wide_and_refused_at_once(served):
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_refusals_wait_for_nothing_while_the_learner_is_busy(served):
+    """With the learner held (front processes: not reading their frames), 1500 calls
+    without the token are all refused at once: a refusal waits for no learner, so a flood
+    of them holds no thread that a health check or an actor needs."""
+    with grpc.insecure_channel(served.target) as channel, learner_held(served):
+        stub = pb_grpc.LearnerStub(channel)
+        calls = [stub.GetInfo.future(pb.GetInfoRequest()) for _ in range(1500)]
+        got = collections.Counter(refusals(calls, len(calls)))
+    # A refusal does not read the request, so a call whose request was still on its way
+    # may end CANCELLED instead (a few of thousands); none gets anything else.
+    assert got[grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"] > 0
+    assert set(got) <= {(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"),
+                        (grpc.StatusCode.CANCELLED, "CANCELLED")}
 
 
 def test_a_stream_whose_answers_are_not_read_is_not_served_past_its_window(served):

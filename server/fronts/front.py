@@ -762,9 +762,9 @@ class RelayedService:
         if self._metrics is not None:
             self._metrics.active_streams.dec()
 
-    def front_refused(self, method: str, code: str) -> None:
+    def front_refused(self, method: str, code: str, count: int = 1) -> None:
         if self._metrics is not None:
-            self._metrics.count_refusal(method, code)
+            self._metrics.count_refusal(method, code, count)
 
 
 def _accept_fronts(listener: socket.socket, relay: RelayLearner, options: ServerOptions,

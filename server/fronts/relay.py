@@ -13,8 +13,9 @@ carries fixed-size frames:
                       REQ   stream, buffer (INLINE − buffer: the bytes follow the frame),
                             size, deadline: a request as it came, which the learner parses
                       END   stream: the rpc is over; requests not started are not applied
-                      REFUSED  size, then "method code" (UTF-8): an rpc the front itself
-                            refused (token, limits), for the learner's metrics
+                      REFUSED  size, then "method code count" (UTF-8): rpcs the front
+                            itself refused (token, limits) since its last REFUSED, for the
+                            learner's metrics
                       CALL  call id, method, size, deadline, then the request's bytes: a
                             small rpc (Act, GetWeights …), relayed whole
     learner → front   REPLY stream (or call id), buffer (NO_BUFFER for a CALL), status code,
@@ -53,7 +54,7 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Protocol
 
 import grpc
@@ -280,9 +281,13 @@ class RelayFront:
         self.alive = True
         self.closed = threading.Event()   # set with alive = False, once every stream is told
         self.on_close: Callable[[], None] = lambda: None
+        self._refused: Counter[tuple[str, str]] = Counter()   # not yet told the learner
+        self._refused_lock, self._refusals_pending = threading.Lock(), threading.Event()
         self._reader = threading.Thread(target=self._read_replies, name="duelq-relay-front",
                                         daemon=True)
         self._reader.start()
+        threading.Thread(target=self._tell_refusals, name="duelq-relay-refusals",
+                         daemon=True).start()
 
     def open(self, *, method: str, deadline: float | None,
              queue_places: Tally | None = None) -> FrontStream:
@@ -378,13 +383,26 @@ class RelayFront:
 
     def report_refusal(self, method: str, code: str) -> None:
         """Count an rpc the front refused (``code``: the status code's name) in the
-        learner's metrics (dropped when the learner process is gone)."""
-        if self.alive:
-            payload = f"{method} {code}".encode()
-            try:
-                self._send(_FRAME.pack(REFUSED, 0, 0, len(payload), 0.0), payload)
-            except RelayClosed:
-                pass
+        learner's metrics.  A thread of its own tells the learner, so that a refusal never
+        waits for the learner process to read its socket (dropped once it is gone)."""
+        with self._refused_lock:
+            self._refused[method, code] += 1
+        self._refusals_pending.set()
+
+    def _tell_refusals(self) -> None:
+        while True:
+            self._refusals_pending.wait()
+            self._refusals_pending.clear()
+            with self._refused_lock:
+                told, self._refused = self._refused, Counter()
+            for (method, code), count in told.items():
+                payload = f"{method} {code} {count}".encode()
+                try:
+                    self._send(_FRAME.pack(REFUSED, 0, 0, len(payload), 0.0), payload)
+                except RelayClosed:
+                    return
+            if not self.alive:
+                return
 
     def end(self, stream: FrontStream) -> None:
         self._streams.pop(stream.sid, None)
@@ -419,6 +437,7 @@ class RelayFront:
             for stream in list(self._streams.values()):
                 stream.lost()
             self.closed.set()
+            self._refusals_pending.set()   # _tell_refusals ends
             self.on_close()
 
     def close(self) -> None:
@@ -505,8 +524,8 @@ class RelayService(Protocol):
     def stream_closed(self) -> None:
         """A TrainStream closed."""
 
-    def front_refused(self, method: str, code: str) -> None:
-        """A front refused an rpc itself (its REFUSED frame)."""
+    def front_refused(self, method: str, code: str, count: int = 1) -> None:
+        """A front refused ``count`` rpcs itself (its REFUSED frame)."""
 
 
 class _Front:
@@ -777,8 +796,8 @@ class RelayLearner:
                     stream = self._streams[front.index, sid] = _LearnerStream(front, sid, "")
                     self._calls.append((stream, buffer, payload, deadline))
                 elif op == REFUSED:
-                    method, _, code = payload.decode().rpartition(" ")
-                    self._service.front_refused(method, code)
+                    method, code, count = payload.decode().rsplit(" ", 2)
+                    self._service.front_refused(method, code, int(count))
                 else:
                     log.warning("relay frame of unknown kind %d (stream %d) ignored", op, sid)
             except Exception:  # noqa: BLE001 — one bad frame must not end the relay
