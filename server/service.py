@@ -191,8 +191,9 @@ def replay_response(run: ReplayRun, step: int, key: pb.RequestKey) -> pb.TrainRe
 #: The small rpcs a front process relays whole (its others it forwards over gRPC:
 #: SaveCheckpoint, which writes a file, would hold up the learner's steps meanwhile).
 RELAYED_CALLS = ("Act", "GetWeights", "ReadISV", "GetInfo", "ComputeEntropy")
-#: Those of them that wait for the apply lock, so count against ``max_queue``.
-QUEUED_CALLS = ("Act", "ComputeEntropy")
+#: The unary rpcs that wait for the apply lock, so count against ``max_queue`` (a front
+#: holds a place while one is at the learner, relayed or forwarded).
+QUEUED_CALLS = ("Act", "ComputeEntropy", "TrainReplay")
 _REQUESTS = {name: getattr(pb, pb.DESCRIPTOR.services_by_name["Learner"].methods_by_name[
     name].input_type.name) for name in RELAYED_CALLS}
 

@@ -257,6 +257,29 @@ def test_max_queue_is_server_wide_and_refused_at_once(served):
             channel.close()
 
 
+def test_train_replay_waits_in_the_same_queue_as_the_steps(served):
+    """With the learner held, TrainReplay and TrainStep calls share max_queue's places, in
+    every model: of MAX_QUEUE + REFUSED of them, REFUSED are refused at once."""
+    channels = connections(served, MAX_QUEUE + REFUSED)
+    try:
+        with learner_held(served):
+            calls = [pb_grpc.LearnerStub(c).TrainReplay.future(
+                         pb.TrainReplayRequest(steps=1), metadata=GOOD) if i % 2 else
+                     pb_grpc.LearnerStub(c).TrainStep.future(step_request(seed=i),
+                                                             metadata=GOOD)
+                     for i, c in enumerate(channels)]
+            assert refusals(calls, REFUSED) == [(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                 queue_full(MAX_QUEUE))] * REFUSED
+        ended = [c.exception(timeout=30) for c in calls]
+        # Those that waited: a step applied, or TrainReplay refused for want of a buffer.
+        waited = [e for e in ended if e is None or e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(waited) == MAX_QUEUE
+        assert all(e is None or e.code() == grpc.StatusCode.FAILED_PRECONDITION for e in waited)
+    finally:
+        for channel in channels:
+            channel.close()
+
+
 def test_refusals_wait_for_nothing_while_the_learner_is_busy(served):
     """With the learner held (front processes: not reading their frames), 1500 calls
     without the token are all refused at once: a refusal waits for no learner, so a flood

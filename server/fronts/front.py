@@ -535,28 +535,16 @@ class FrontServer:
 
     def _forward(self, name: str):
         """A handler passing ``name``'s request bytes to the learner process and back: over
-        the relay for the small rpcs (RELAYED_CALLS; those that wait for the learner in one
-        process, QUEUED_CALLS, hold a queue place meanwhile), else over gRPC."""
-        if name in RELAYED_CALLS:
-            method = RELAYED_CALLS.index(name)
-            queued = name in QUEUED_CALLS
+        the relay for the small rpcs (RELAYED_CALLS), else over gRPC.  Those that wait for
+        the learner in one process (QUEUED_CALLS) hold a queue place meanwhile."""
+        def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
+            if self._relay is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
+            reply = self._relay.call(RELAYED_CALLS.index(name), request, _deadline(context),
+                                     context.add_callback)
+            return _reply_payload(context, *reply)
 
-            def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
-                if self._relay is None:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-                if queued and not self._queue_places.take():
-                    self._refuse(context, name,
-                                 ResourceExhausted(queue_full(self.options.max_queue)))
-                try:
-                    reply = self._relay.call(method, request, _deadline(context),
-                                             context.add_callback)
-                finally:
-                    if queued:
-                        self._queue_places.give_back()
-                return _reply_payload(context, *reply)
-            return relayed
-
-        def forward(request: bytes, context: grpc.ServicerContext) -> bytes:
+        def forwarded(request: bytes, context: grpc.ServicerContext) -> bytes:
             call = self._calls.get(name)
             if call is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
@@ -566,7 +554,19 @@ class FrontServer:
                 return future.result()
             except grpc.RpcError as exc:
                 context.abort(exc.code(), exc.details())
-        return forward
+
+        passed = relayed if name in RELAYED_CALLS else forwarded
+        if name not in QUEUED_CALLS:
+            return passed
+
+        def queued(request: bytes, context: grpc.ServicerContext) -> bytes:
+            if not self._queue_places.take():
+                self._refuse(context, name, ResourceExhausted(queue_full(self.options.max_queue)))
+            try:
+                return passed(request, context)
+            finally:
+                self._queue_places.give_back()
+        return queued
 
 # ── the learner process ──────────────────────────────────────────────────────────────
 
