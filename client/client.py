@@ -44,6 +44,9 @@ from duelq.wire.types import (FIELD_DTYPES, PARAM_NAMES, Batch, Params, ReplayIn
                               spell, wrong_dtype)
 
 FEATURE_WIRE_DTYPES = FIELD_DTYPES["h"]
+#: What a keyed stream resends its unanswered requests after: the server going away or
+#: draining, and its end of a stream whose answer went unread for its receive timeout.
+STREAM_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -334,8 +337,9 @@ class LearnerClient:
     ``target`` is host:port.  ``token`` is sent as ``authorization: Bearer``
     metadata.  ``tls``: None for plaintext, True for TLS with the system's CA
     roots, a path to a PEM CA bundle, or ready ``grpc.ChannelCredentials``
-    (:func:`tls_credentials` makes them, a client certificate for mutual TLS included).  ``timeout`` bounds each unary call in seconds.  On
-    UNAVAILABLE a call is retried up to ``retries`` times, sleeping
+    (:func:`tls_credentials` makes them, a client certificate for mutual TLS included).
+    ``timeout`` bounds each unary call in seconds.  On UNAVAILABLE a call is retried up
+    to ``retries`` times, sleeping
     ``backoff`` × 2^attempt seconds (jittered, at most ``max_backoff``).
     ``actor_id`` names this client in idempotency keys (default
     host-pid-random).  ``feature_dtype`` is the wire dtype of h_t and h_tp1
@@ -449,8 +453,9 @@ class LearnerClient:
         """Stream batches; yield their results in order, at most ``window`` unanswered.
 
         Batches are pulled from ``batches`` lazily as the window frees up.  If
-        the stream breaks with UNAVAILABLE, a new one resends the unanswered
-        requests with their keys (already applied ones come back ``replayed``).
+        the stream breaks with UNAVAILABLE (or the server cancels it, its answers unread
+        for its receive timeout), a new one resends the unanswered requests with their
+        keys (already applied ones come back ``replayed``).
         A batch failing the local checks, or a server error, is raised where
         that batch's result would have been yielded; later batches are not sent.
         """
@@ -481,7 +486,9 @@ class LearnerClient:
                       check: Callable, numbers: dict[str, int]) -> Iterator:
         """The responses of a keyed request stream ``method`` fed with ``items`` (each checked
         into arrays by ``check``, then numbered), in order, at most ``window`` unanswered;
-        after UNAVAILABLE a new stream resends the unanswered requests with their keys."""
+        after UNAVAILABLE, or CANCELLED (the server ends a stream whose answer went unread
+        for its receive timeout), a new stream resends the unanswered requests with their
+        keys."""
         if window < 1:
             raise _bad("window", f"must be ≥ 1, got {window}")
         source = iter(items)
@@ -524,8 +531,8 @@ class LearnerClient:
                                                  f"for seq {seq}")
                     failures = 0
                     yield response
-            except grpc.RpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or failures == self.retries:
+            except grpc.RpcError as error:   # the server's: this call is cancelled below
+                if error.code() not in STREAM_RETRIED or failures == self.retries:
                     raise self._error(error, failures + 1) from None
             finally:
                 feed.put(None)

@@ -13,7 +13,8 @@ the step they guard and steps apply one at a time in arrival order.  At most
 ``max_queue`` requests wait for that lock (RESOURCE_EXHAUSTED past it).  A
 stream (TrainStream, InsertStream) reads its requests on a thread of its own
 (:class:`StreamReader`), one at a time, so a client that does not read its answers stops
-being read; one that sends no request for ``receive_timeout_s`` is ended UNAVAILABLE.  A
+being read, and is cancelled once an answer has waited ``receive_timeout_s``; one that
+sends no request for as long is ended UNAVAILABLE.  A
 request whose deadline passes, or whose client goes away, while it waits is
 answered DEADLINE_EXCEEDED and not applied; one that has started is applied
 and recorded under its key.  A checkpoint snapshot (state and idempotency
@@ -565,7 +566,7 @@ class LearnerService(pb_grpc.LearnerServicer):
     @_rpc
     def InsertStream(self, request_iterator, context) -> Iterator[pb.InsertStreamResponse]:
         self.learner  # noqa: B018 — UNAVAILABLE until a learner is attached
-        yield from self._stream(request_iterator, context, self._insert)
+        yield from self._stream(request_iterator, context, self._insert, "InsertStream")
 
     @_rpc
     def TrainReplay(self, request, context):
@@ -593,11 +594,11 @@ class LearnerService(pb_grpc.LearnerServicer):
 
     @_rpc
     def TrainStream(self, request_iterator, context) -> Iterator[pb.TrainResponse]:
-        yield from self._stream(request_iterator, context, self._train)
+        yield from self._stream(request_iterator, context, self._train, "TrainStream")
 
     def _stream(self, requests: Iterator, context: grpc.ServicerContext,
-                answer: Callable[[Any, grpc.ServicerContext], Any]) -> Iterator:
-        """A stream's requests answered in order by ``answer``, holding one of
+                answer: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Iterator:
+        """Stream ``method``'s requests answered in order by ``answer``, holding one of
         ``max_streams`` places; with no request for ``receive_timeout_s`` and none being
         answered, the stream ends UNAVAILABLE (StreamIdle); with an answer left unread as
         long, it is cancelled."""
@@ -616,7 +617,7 @@ class LearnerService(pb_grpc.LearnerServicer):
                 if kind == FAILED:
                     raise item
                 reader.done()   # the next request is read and parsed while this one is applied
-                yield from self._answers.send(answer(item, context), context, "a stream")
+                yield from self._answers.send(answer(item, context), context, method)
         finally:
             reader.close()
             self._streams.release()

@@ -289,6 +289,32 @@ def test_stream_reconnects_and_resends_unanswered_batches_once(make_server, rng)
     assert server.learner.snapshot().checksum() == sequential.snapshot().checksum()
 
 
+def test_a_stream_the_server_cancels_for_unread_answers_resumes_once(make_server, rng,
+                                                                    caplog):
+    """A slow producer leaves a full window of answers unread past the server's receive
+    timeout: the server cancels the stream, and the client resends the unanswered
+    batches under their keys, so each applies once."""
+    server = make_server(receive_timeout_s=0.5, max_batch_size=4096)
+    batches = [random_batch(rng, 4096) for _ in range(12)]   # 32 KiB answers
+
+    def slowly():
+        for i, batch in enumerate(batches):
+            if i >= 8:
+                time.sleep(1.2)   # 8 answers (256 KiB) unread, past a 64 KiB window
+            yield batch
+    with caplog.at_level("INFO", logger="duelq.server.gate"), LearnerClient(
+            server.target, backoff=0.01,
+            channel_options=[("grpc.http2.bdp_probe", 0)]) as client:
+        results = list(client.train_stream(slowly(), window=8))
+    assert "no read of its answer" in caplog.text
+    assert [r.seq for r in results] == list(range(1, 13))
+    assert sorted(r.step for r in results) == list(range(1, 13))
+    sequential = Learner(SMALL, backend="reference")
+    for batch in batches:
+        sequential.step(batch)
+    assert server.learner.snapshot().checksum() == sequential.snapshot().checksum()
+
+
 def test_dead_port_fails_fast_with_a_clear_error(dead_target):
     start = time.monotonic()
     with LearnerClient(dead_target, retries=3, backoff=0.05) as client:
