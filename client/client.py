@@ -373,6 +373,7 @@ class LearnerClient:
         credentials = _credentials(tls)
         self._channel = (grpc.secure_channel(target, credentials, options) if credentials
                          else grpc.insecure_channel(target, options))
+        self._closed = False
         self._stub = pb_grpc.LearnerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         # Train requests go out already serialised (see _wire_request): no serializer.
@@ -390,6 +391,7 @@ class LearnerClient:
     # -- plumbing -------------------------------------------------------------------------
 
     def close(self) -> None:
+        self._closed = True   # a stream it cancels is not resumed
         self._channel.close()
 
     def __enter__(self) -> "LearnerClient":
@@ -531,8 +533,9 @@ class LearnerClient:
                                                  f"for seq {seq}")
                     failures = 0
                     yield response
-            except grpc.RpcError as error:   # the server's: this call is cancelled below
-                if error.code() not in STREAM_RETRIED or failures == self.retries:
+            except grpc.RpcError as error:
+                if (error.code() not in STREAM_RETRIED or failures == self.retries
+                        or self._closed):
                     raise self._error(error, failures + 1) from None
             finally:
                 feed.put(None)

@@ -493,8 +493,8 @@ class LearnerServer:
 
         New calls are turned away before the drain, not after it: clients that the drain
         answers UNAVAILABLE retry at once, and a call of theirs that reached gRPC just as
-        it shut down would be cancelled (CANCELLED, which no client retries) rather than
-        find the port closed (UNAVAILABLE).
+        it shut down would be cancelled (CANCELLED, which the client library retries for
+        its streams only) rather than find the port closed (UNAVAILABLE).
 
         Returns the final checkpoint's (path, step), or None without one.
         Raises :class:`CheckpointError` if it cannot be written (gRPC still stops).

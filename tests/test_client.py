@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -313,6 +314,29 @@ def test_a_stream_the_server_cancels_for_unread_answers_resumes_once(make_server
     for batch in batches:
         sequential.step(batch)
     assert server.learner.snapshot().checksum() == sequential.snapshot().checksum()
+
+
+def test_a_stream_ended_by_closing_its_client_is_not_resumed(server, rng):
+    """Closing the client cancels its streams; that CANCELLED is the caller's, not resumed."""
+    client, produced = LearnerClient(server.target, backoff=0.01), threading.Event()
+    closed = threading.Event()
+
+    def batches():
+        yield random_batch(rng, 8)
+        produced.set()
+        assert closed.wait(30)
+        yield random_batch(rng, 8)
+    stream = client.train_stream(batches(), window=1)
+    assert next(stream).step == 1
+    ended: list = []
+    reader = threading.Thread(target=lambda: ended.append(pytest.raises(
+        errors.Cancelled, list, stream)))
+    reader.start()
+    assert produced.wait(30)
+    client.close()
+    closed.set()
+    reader.join(30)
+    assert len(ended) == 1
 
 
 def test_dead_port_fails_fast_with_a_clear_error(dead_target):

@@ -537,36 +537,30 @@ class FrontServer:
         """A handler passing ``name``'s request bytes to the learner process and back: over
         the relay for the small rpcs (RELAYED_CALLS), else over gRPC.  Those that wait for
         the learner in one process (QUEUED_CALLS) hold a queue place meanwhile."""
-        def relayed(request: bytes, context: grpc.ServicerContext) -> bytes:
-            if self._relay is None:
+        relay = name in RELAYED_CALLS
+        queued = name in QUEUED_CALLS
+
+        def passed(request: bytes, context: grpc.ServicerContext) -> bytes:
+            starting = self._relay is None if relay else name not in self._calls
+            if starting:
                 context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-            reply = self._relay.call(RELAYED_CALLS.index(name), request, _deadline(context),
-                                     context.add_callback)
-            return _reply_payload(context, *reply)
-
-        def forwarded(request: bytes, context: grpc.ServicerContext) -> bytes:
-            call = self._calls.get(name)
-            if call is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, _STARTING)
-            future = call.future(request, timeout=_time_left(context))
-            context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
-            try:
-                return future.result()
-            except grpc.RpcError as exc:
-                context.abort(exc.code(), exc.details())
-
-        passed = relayed if name in RELAYED_CALLS else forwarded
-        if name not in QUEUED_CALLS:
-            return passed
-
-        def queued(request: bytes, context: grpc.ServicerContext) -> bytes:
-            if not self._queue_places.take():
+            if queued and not self._queue_places.take():
                 self._refuse(context, name, ResourceExhausted(queue_full(self.options.max_queue)))
             try:
-                return passed(request, context)
+                if relay:
+                    reply = self._relay.call(RELAYED_CALLS.index(name), request,
+                                             _deadline(context), context.add_callback)
+                    return _reply_payload(context, *reply)
+                future = self._calls[name].future(request, timeout=_time_left(context))
+                context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
+                try:
+                    return future.result()
+                except grpc.RpcError as exc:
+                    context.abort(exc.code(), exc.details())
             finally:
-                self._queue_places.give_back()
-        return queued
+                if queued:
+                    self._queue_places.give_back()
+        return passed
 
 # ── the learner process ──────────────────────────────────────────────────────────────
 
