@@ -286,8 +286,8 @@ __device__ unsigned int replay_layout[2] = {GRID_PASSES, ROW_BYTES};
 }
 
 // A row's owner mark: the draw's mark (from 1, one more for each draw the host enqueues; 48
-// bits last 10^9 s at 10^5 draws/s) above the batch position (B ≤ 65536, LearnerConfig's limit), so a
-// later draw's marks exceed every earlier one's and no mark is ever cleared.
+// bits last 10^9 s at 10^5 draws/s) above the batch position (B ≤ 65536, LearnerConfig's
+// limit), so a later draw's marks exceed every earlier one's and no mark is ever cleared.
 __device__ __forceinline__ unsigned long long owner_mark(unsigned long long mark, int b) {
     return (mark << 16) | (unsigned int)b;
 }

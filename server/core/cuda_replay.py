@@ -4,12 +4,12 @@ Allocated at start: the rows (features in the buffer's dtype, 16-bit ones as the
 priorities, leaves, the tree's sums and mins, the write-back's owner marks, the gathered
 batch and a run's report; each upload buffer's check word at its first insert.  A buffer
 that does not fit the device's free memory is refused before any of it is allocated
-(:class:`ReplayTooLarge`).  An insert's rows reach
-the device in one of the backend's upload buffers, copied before the insert takes the
-learner's lock and checked there by ``replay_check`` on the upload stream, so the host
-never reads them (:meth:`CudaReplay.upload`); with no buffer free, the host checks them
-and they go through the backend's own step input buffer at the insert
-(:meth:`CudaBackend.stage`; the learner's lock is held).  The insert itself is enqueued
+(:class:`ReplayTooLarge`).  An insert's rows reach the device in one of the backend's
+upload buffers, copied before the insert takes the learner's lock and checked there by
+``replay_check`` on the upload stream, so the host never reads them
+(:meth:`CudaReplay.upload`); with no buffer free, the host checks them and they go
+through the backend's own step input buffer at the insert (:meth:`CudaBackend.stage`;
+the learner's lock is held).  The insert itself is enqueued
 behind whatever the stream holds, a run left running included, and not waited for.
 
 A run of K ≤ :data:`CALL_STEPS` steps is one C call (server/core/native.c's
