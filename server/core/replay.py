@@ -123,8 +123,9 @@ def tree_levels(capacity: int) -> list[int]:
     the root level holds 1."""
     sizes, k = [], 1
     while True:
-        sizes.append(level_nodes(capacity, k) * FANOUT)
-        if level_nodes(capacity, k) == 1:
+        nodes = level_nodes(capacity, k)
+        sizes.append(nodes * FANOUT)
+        if nodes == 1:
             return sizes + [1]
         k += 1
 

@@ -538,6 +538,7 @@ class FrontServer:
         the relay for the small rpcs (RELAYED_CALLS), else over gRPC.  Those that wait for
         the learner in one process (QUEUED_CALLS) hold a queue place meanwhile."""
         relay = name in RELAYED_CALLS
+        method = RELAYED_CALLS.index(name) if relay else -1   # its index in the learner's table
         queued = name in QUEUED_CALLS
 
         def passed(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -548,8 +549,8 @@ class FrontServer:
                 self._refuse(context, name, ResourceExhausted(queue_full(self.options.max_queue)))
             try:
                 if relay:
-                    reply = self._relay.call(RELAYED_CALLS.index(name), request,
-                                             _deadline(context), context.add_callback)
+                    reply = self._relay.call(method, request, _deadline(context),
+                                             context.add_callback)
                     return _reply_payload(context, *reply)
                 future = self._calls[name].future(request, timeout=_time_left(context))
                 context.add_callback(future.cancel)   # a cancelled call is cancelled inside too
